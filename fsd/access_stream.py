@@ -1,10 +1,16 @@
-"""The node's merged future access stream (contract; built out by the planner)."""
+"""The node's merged future access stream: the contract (``NodeStream``) and its builders."""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from fsd.plan import Plan, PlanError, window_entries
+from fsd.sampler import distributed_sizes, iter_epochs, load_indices
 
 
 @dataclass(frozen=True)
@@ -22,3 +28,99 @@ class NodeStream:
     ranks: np.ndarray
     start_epoch: int
     window: int
+
+
+# ---------------------------------------------------------------------------
+# Builders (the planner). Only ``NodeStream`` above is the cross-module contract.
+
+log = logging.getLogger(__name__)
+
+
+def id_dtype(n_files: int) -> type[np.integer]:
+    """File-id dtype for *n_files*: int32, or int64 from 2**31 files on."""
+    return np.int32 if n_files < (1 << 31) else np.int64
+
+
+def interleave_epoch(idx: np.ndarray, ranks: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """One epoch of ``idx`` (rows = ranks, in rank order) in lockstep order (step, rank, position).
+
+    Each rank takes ``batch_size`` entries per step; the last step may be short.
+    Returns ``(file_ids, ranks)`` flat arrays.
+    """
+    n_r, m = idx.shape
+    full = m // batch_size
+    cut = full * batch_size
+    head = idx[:, :cut].reshape(n_r, full, batch_size).transpose(1, 0, 2).reshape(-1)
+    tail = idx[:, cut:].reshape(-1)
+    r = ranks.astype(np.int16)
+    r_head = np.broadcast_to(r[None, :, None], (full, n_r, batch_size)).reshape(-1)
+    r_tail = np.repeat(r, m - cut)
+    return np.concatenate([head, tail]), np.concatenate([r_head, r_tail])
+
+
+def build_node_stream(plan: Plan, n_files: int, *, indices: Sequence[np.ndarray] | None = None,
+                      root_fd: int | None = None) -> NodeStream:
+    """The node's predicted accesses for epochs ``start_epoch .. epochs-1``.
+
+    Ranks of the node advance in lockstep, ordered by (epoch, step, rank, position),
+    each taking ``batch_size`` samples per step. File id = sample index (see ``order``).
+    Sampler ``indices`` needs the loaded file (``indices=sampler.load_indices(...)``) or
+    ``root_fd`` to load it from. Epochs are generated one at a time into preallocated arrays.
+    """
+    t0 = time.monotonic()
+    if plan.sampler == "indices" and indices is None and root_fd is not None:
+        indices = load_indices(root_fd, plan, n_files)
+    n_e = plan.epochs - plan.start_epoch
+    if plan.sampler == "distributed":
+        per_epoch = [distributed_sizes(n_files, plan.num_replicas, plan.drop_last)[0] * len(plan.ranks)] * n_e
+        rank_rows = np.array(sorted(plan.ranks), dtype=np.int64)
+    elif plan.sampler == "indices":
+        if indices is None:
+            raise PlanError("plan: sampler \"indices\" needs the indices file loaded (load_indices)")
+        if len(indices) < plan.epochs:
+            raise PlanError(f"plan: indices file has {len(indices)} epoch rows, the plan needs {plan.epochs}")
+        per_epoch = [len(indices[e]) for e in plan.remaining_epochs]
+        rank_rows = np.zeros(1, dtype=np.int64)
+    else:
+        per_epoch = [n_files] * n_e
+        rank_rows = np.zeros(1, dtype=np.int64)
+    bounds = np.zeros(n_e + 1, dtype=np.int64)
+    np.cumsum(per_epoch, out=bounds[1:])
+    total = int(bounds[-1])
+    file_ids = np.empty(total, dtype=id_dtype(n_files))
+    ranks = np.empty(total, dtype=np.int16)
+    for k, (_, idx) in enumerate(iter_epochs(plan, n_files, indices=indices)):
+        f, r = interleave_epoch(idx, rank_rows, plan.batch_size)
+        a, b = int(bounds[k]), int(bounds[k + 1])
+        file_ids[a:b] = f
+        ranks[a:b] = r
+    stream = NodeStream(file_ids=file_ids, epoch_bounds=bounds, ranks=ranks, start_epoch=plan.start_epoch,
+                        window=window_entries(plan))
+    log.info("node stream: %d accesses over %d epochs of %d files in %.2f s", total, n_e, n_files,
+             time.monotonic() - t0)
+    return stream
+
+
+def future_counts(stream: NodeStream, from_pos: int = 0, n_files: int | None = None) -> np.ndarray:
+    """Accesses per file id over ``stream.file_ids[from_pos:]`` (int64, length ``n_files``
+    or max id + 1 when not given)."""
+    rest = stream.file_ids[max(0, from_pos):]
+    if n_files is None:
+        n_files = int(stream.file_ids.max()) + 1 if stream.file_ids.size else 0
+    return np.bincount(rest, minlength=n_files).astype(np.int64, copy=False)
+
+
+def next_use(stream: NodeStream) -> np.ndarray:
+    """For each position i, the next position holding the same file id, or ``len`` if none (int64)."""
+    ids = stream.file_ids
+    n = ids.size
+    out = np.full(n, n, dtype=np.int64)
+    if n < 2:
+        return out
+    order = np.argsort(ids, kind="stable")  # positions grouped by file, ascending within a file
+    same = ids[order[1:]] == ids[order[:-1]]
+    out[order[:-1][same]] = order[1:][same]
+    return out
+
+
+__all__ = ["NodeStream", "build_node_stream", "future_counts", "id_dtype", "interleave_epoch", "next_use"]
