@@ -1,0 +1,284 @@
+"""The dataset mount: a read-only view of a directory, served through tiers.
+
+Thin by design: metadata goes to the backend through the root dir fd on
+worker threads; reads of planned files go to :class:`fsd.dataset_cache.DatasetCache`;
+``.fsd/`` goes to :class:`fsd.control.ControlDir`; planning lives in
+:mod:`fsd.planner`.
+
+Hot path: with a pyfuse3 that forwards the inode when ``fh`` is 0 (see
+``tools/patches``), ``open()`` answers ENOSYS, so the kernel never sends
+open/flush/release and keeps page-cache contents across opens; reads that hit
+the page cache never reach this process. Without the patch, ``open()`` returns
+``fh=inode`` with ``keep_cache``. Either way, here ``fh == inode``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from .control import CONTROL_INODE, ControlDir, Counters
+from .errors import fuse_errors
+from .inodes import InodeTable
+from .planner import Planner
+
+log = logging.getLogger(__name__)
+
+#: True when the installed pyfuse3 passes the inode as fh in no-open mode.
+NO_OPEN = bool(getattr(pyfuse3, "READ_FH_FALLBACK_INODE", False))
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+
+
+def _join(parent: bytes, name: bytes) -> bytes:
+    return name if not parent else parent + b"/" + name
+
+
+class DataOperations(pyfuse3.Operations):
+    """pyfuse3 operations of the read-only dataset view."""
+
+    def __init__(
+        self,
+        root_fd: int,
+        *,
+        ram_bytes: int = 0,
+        ssd_dir: Path | None = None,
+        ssd_bytes: int = 0,
+        fetch_threads: int = 8,
+        attr_timeout: float = 300.0,
+        no_open: bool = NO_OPEN,
+    ) -> None:
+        super().__init__()
+        self.root_fd = root_fd
+        self.no_open = no_open
+        self.attr_timeout = attr_timeout
+        self.inodes = InodeTable()
+        self.counters = Counters()
+        self.meta_limiter = trio.CapacityLimiter(8)
+        self.read_limiter = trio.CapacityLimiter(max(8, fetch_threads * 2))
+        self.planner = Planner(
+            root_fd,
+            ram_bytes=ram_bytes,
+            ssd_dir=ssd_dir,
+            ssd_bytes=ssd_bytes,
+            fetch_threads=fetch_threads,
+            push=self._push,
+        )
+        self.control = ControlDir(self.status, self.planner.apply, counters=self.counters)
+        self.fuse_options = ["fsname=fsd-data", "subtype=fsd", "default_permissions"]
+        self._dirs: dict[int, _DirHandle] = {}
+        self._next_dir_fh = 1
+
+    # -- lifecycle -------------------------------------------------------
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Start background work (control expiry)."""
+        nursery.start_soon(self.control.expire_loop)
+
+    async def stop(self) -> None:
+        """Stop prefetching and close the tiers."""
+        await trio.to_thread.run_sync(self.planner.close)
+
+    def status(self) -> dict[str, Any]:
+        """Status of the dataset mount (for ``.fsd/status``)."""
+        return {
+            "mount": "data",
+            "no_open_fast_path": self.no_open,
+            "inodes": len(self.inodes),
+            **self.planner.status(),
+        }
+
+    # -- helpers -----------------------------------------------------------
+    def _attrs(self, ino: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = ino
+        e.st_mode = st.st_mode
+        e.st_nlink = st.st_nlink
+        e.st_uid, e.st_gid = st.st_uid, st.st_gid
+        e.st_rdev = st.st_rdev
+        e.st_size = st.st_size
+        e.st_blksize = st.st_blksize
+        e.st_blocks = st.st_blocks
+        e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns
+        e.attr_timeout = self.attr_timeout
+        e.entry_timeout = self.attr_timeout
+        return e
+
+    def _lstat(self, path: bytes) -> os.stat_result:
+        if not path:
+            return os.fstat(self.root_fd)
+        return os.lstat(path, dir_fd=self.root_fd)
+
+    async def _thread(self, fn: Any, *args: Any, limiter: trio.CapacityLimiter | None = None) -> Any:
+        return await trio.to_thread.run_sync(fn, *args, limiter=limiter or self.meta_limiter)
+
+    def _push(self, path: str, data: bytes) -> bool:
+        """Put *data* (a whole file) into the kernel page cache, if it knows the inode."""
+        ino = self.inodes.get(os.fsencode(path))
+        if ino is None or not self.inodes.known_to_kernel(ino):
+            return False
+        try:
+            pyfuse3.notify_store(ino, 0, data)
+        except OSError as e:
+            log.debug("notify_store(%s) failed: %s", path, e)
+            return False
+        return True
+
+    # -- metadata ------------------------------------------------------------
+    @fuse_errors
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
+        self.counters.op("lookup")
+        attrs = self.control.lookup(parent_inode, name)
+        if attrs is not None:
+            return attrs
+        if name == b".." or name == b".":
+            raise pyfuse3.FUSEError(errno.ENOENT)  # the kernel resolves these itself
+        path = _join(self.inodes.path(parent_inode), name)
+        st = await self._thread(self._lstat, path)
+        ino = self.inodes.ref(path)
+        self.planner.note_lookup(path)
+        return self._attrs(ino, st)
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, n in inode_list:
+            if not self.control.owns(ino):
+                self.inodes.forget(ino, n)
+
+    @fuse_errors
+    async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
+        self.counters.op("getattr")
+        if self.control.owns(inode):
+            return self.control.getattr(inode)
+        st = await self._thread(self._lstat, self.inodes.path(inode))
+        return self._attrs(inode, st)
+
+    @fuse_errors
+    async def readlink(self, inode: int, ctx: Any = None) -> bytes:
+        self.counters.op("readlink")
+        path = self.inodes.path(inode)
+        return await self._thread(lambda: os.readlink(path, dir_fd=self.root_fd))
+
+    @fuse_errors
+    async def statfs(self, ctx: Any = None) -> pyfuse3.StatvfsData:
+        sv = await self._thread(os.statvfs, f"/proc/self/fd/{self.root_fd}")
+        out = pyfuse3.StatvfsData()
+        for f in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree", "f_favail", "f_namemax"):
+            setattr(out, f, getattr(sv, f))
+        return out
+
+    # -- directories -----------------------------------------------------------
+    def _list_dir(self, path: bytes) -> list[tuple[bytes, os.stat_result]]:
+        fd = os.open(path or b".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.root_fd)
+        try:
+            names = sorted(os.listdir(fd))
+            out = []
+            for name in names:
+                try:
+                    out.append((os.fsencode(name), os.lstat(name, dir_fd=fd)))
+                except FileNotFoundError:
+                    continue  # vanished while listing
+            return out
+        finally:
+            os.close(fd)
+
+    @fuse_errors
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        self.counters.op("opendir")
+        fh = self._next_dir_fh
+        self._next_dir_fh += 1
+        if self.control.owns(inode):
+            self._dirs[fh] = _DirHandle(inode, b"", [])
+            return fh
+        path = self.inodes.path(inode)
+        entries = await self._thread(self._list_dir, path)
+        self._dirs[fh] = _DirHandle(inode, path, entries)
+        return fh
+
+    @fuse_errors
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        self.counters.op("readdir")
+        d = self._dirs[fh]
+        if self.control.owns(d.inode):
+            return await self.control.readdir(start_id, token)
+        for i in range(start_id, len(d.entries)):
+            name, st = d.entries[i]
+            if d.inode == pyfuse3.ROOT_INODE and name == b".fsd":
+                continue  # the control directory shadows a source ".fsd"
+            path = _join(d.path, name)
+            # readdirplus: a True reply means the kernel now holds one lookup
+            ino = self.inodes.ref(path)
+            if not pyfuse3.readdir_reply(token, name, self._attrs(ino, st), i + 1):
+                self.inodes.forget(ino, 1)
+                break
+
+    async def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    # -- files -------------------------------------------------------------------
+    @fuse_errors
+    async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
+        self.counters.op("open")
+        if self.control.owns(inode):
+            if self.no_open:
+                raise pyfuse3.FUSEError(errno.ENOSYS)
+            return self.control.open(inode, flags)
+        if self.no_open:
+            # the kernel stops sending open/release and keeps page caches
+            raise pyfuse3.FUSEError(errno.ENOSYS)
+        if flags & _WRITE_FLAGS:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+
+    @fuse_errors
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        self.counters.op("read")
+        if self.control.owns(fh):
+            return self.control.read(fh, off, size)
+        path = self.inodes.path(fh)
+        return await self._thread(self.planner.read, path, off, size, limiter=self.read_limiter)
+
+    @fuse_errors
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        self.counters.op("write")
+        if self.control.owns(fh):
+            return await self.control.write(fh, off, buf)
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def flush(self, fh: int) -> None:
+        if not self.no_open and self.control.owns(fh):
+            self.control.flush_pending()
+            return
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
+    async def release(self, fh: int) -> None:
+        pass
+
+    @fuse_errors
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: Any) -> pyfuse3.EntryAttributes:
+        if inode == CONTROL_INODE and fields.update_size and attr.st_size == 0:
+            return self.control.getattr(inode)  # O_TRUNC of the control file
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def _erofs(self, *args: Any, **kwargs: Any) -> Any:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    create = mknod = mkdir = symlink = link = unlink = rmdir = rename = _erofs
+    setxattr = removexattr = _erofs
+
+
+class _DirHandle:
+    """A listing taken at opendir time and served across readdir calls."""
+
+    __slots__ = ("inode", "path", "entries")
+
+    def __init__(self, inode: int, path: bytes, entries: list[tuple[bytes, os.stat_result]]) -> None:
+        self.inode = inode
+        self.path = path
+        self.entries = entries

@@ -1,0 +1,134 @@
+"""Mount lifecycle: checks, in-place directory fd, pyfuse3 session, signals.
+
+A mount sits *over* its source directory by default: the directory is opened
+before mounting and the Operations class serves the original files through
+that fd, so unmodified code keeps its paths. One pyfuse3 session per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from .errors import FsdError
+
+log = logging.getLogger(__name__)
+
+FS_TYPE = "fuse.fsd"
+
+
+def _unescape(field: str) -> str:
+    """Undo the octal escapes of /proc/self/mountinfo."""
+    return field.encode().decode("unicode_escape").encode("latin-1").decode("utf-8", "replace")
+
+
+def mounts() -> list[tuple[str, str]]:
+    """(mountpoint, fstype) of every mount this process can see."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            out.append((_unescape(left.split()[4]), right.split()[0]))
+    return out
+
+
+def fsd_mount_at(path: Path) -> bool:
+    """True if an fsd filesystem is mounted exactly at *path*."""
+    p = os.path.realpath(path)
+    return any(mp == p and t == FS_TYPE for mp, t in mounts())
+
+
+def check_mountpoint(path: Path) -> Path:
+    """Resolve *path* and refuse missing, non-directory or already-fsd mountpoints."""
+    if not path.exists():
+        raise FsdError(f"mountpoint {path} does not exist")
+    if not path.is_dir():
+        raise FsdError(f"mountpoint {path} is not a directory")
+    if fsd_mount_at(path):
+        raise FsdError(f"{path} is already an fsd mount (unmount it first: fsd unmount {path})")
+    return Path(os.path.realpath(path))
+
+
+def open_dir(path: Path) -> int:
+    """Open *path* as a directory fd (before mounting over it)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise FsdError(f"cannot open {path}: {e.strerror}") from None
+
+
+def serve(ops: Any, mountpoint: Path, *, options: list[str], ready: Callable[[], None] | None = None) -> None:
+    """Mount *ops* at *mountpoint* and serve until unmounted or signalled.
+
+    *ops* provides ``async start(nursery)`` and ``async stop()``. SIGINT and
+    SIGTERM stop the background work, then unmount cleanly.
+    """
+    try:
+        pyfuse3.init(ops, str(mountpoint), options)
+    except RuntimeError as e:
+        raise FsdError(f"cannot mount at {mountpoint}: {e}") from None
+    log.info("mounted at %s (%s)", mountpoint, ",".join(options))
+    clean = False
+    try:
+        if ready is not None:
+            ready()
+        trio.run(_main, ops)
+        clean = True
+    finally:
+        pyfuse3.close(unmount=True)
+        log.info("unmounted %s%s", mountpoint, "" if clean else " after an error")
+
+
+async def _main(ops: Any) -> None:
+    async with trio.open_nursery() as nursery:
+        await ops.start(nursery)
+        nursery.start_soon(_watch_signals, ops, nursery.cancel_scope)
+        await pyfuse3.main()
+        # the kernel side went away (fusermount -u): finish background work
+        await ops.stop()
+        nursery.cancel_scope.cancel()
+
+
+async def _watch_signals(ops: Any, scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("signal %d: unmounting", signum)
+            await ops.stop()
+            pyfuse3.terminate()
+            return
+
+
+def unmount(path: Path, *, lazy: bool = False, timeout: float = 120.0) -> None:
+    """Unmount the fsd mount at *path* and wait for its daemon to finish."""
+    path = Path(os.path.realpath(path))
+    if not fsd_mount_at(path):
+        raise FsdError(f"{path} is not an fsd mount")
+    pid = None
+    try:
+        import json
+
+        pid = json.loads((path / ".fsd" / "status").read_bytes()).get("pid")
+    except (OSError, ValueError):
+        pass
+    cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(path)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise FsdError(f"cannot unmount {path}: {r.stderr.strip() or 'fusermount3 failed'}")
+    if pid:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+        raise FsdError(f"{path} unmounted, but daemon {pid} still runs after {timeout:.0f} s")

@@ -1,0 +1,136 @@
+"""Glue between a control document and the dataset tiers.
+
+``apply`` (worker thread) parses the plan, lists the dataset in sample order,
+builds the node's access stream and hands it to the :class:`DatasetCache`,
+replacing the previous plan atomically: a read sees either the old or the new
+mapping, and both serve the backend's bytes. ``read`` serves one kernel read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .backend import Backend
+
+log = logging.getLogger(__name__)
+
+
+class _Active:
+    """One applied plan: its file list, id map and cache."""
+
+    def __init__(self, plan: Any, paths: list[str], cache: Any) -> None:
+        self.plan = plan
+        self.paths = paths
+        self.ids = {os.fsencode(p): i for i, p in enumerate(paths)}
+        self.cache = cache
+        self.applied_unix = time.time()
+
+
+class Planner:
+    """Holds the active plan and routes reads to its cache or the backend."""
+
+    def __init__(
+        self,
+        root_fd: int,
+        *,
+        ram_bytes: int,
+        ssd_dir: Path | None,
+        ssd_bytes: int,
+        fetch_threads: int,
+        push: Callable[[str, bytes], bool] | None,
+    ) -> None:
+        self.root_fd = root_fd
+        self.ram_bytes = ram_bytes
+        self.ssd_dir = ssd_dir
+        self.ssd_bytes = ssd_bytes
+        self.fetch_threads = fetch_threads
+        self.push = push
+        self._lock = threading.Lock()
+        self._active: _Active | None = None
+        self._unplanned_reads = 0
+        self._plans_applied = 0
+
+    def apply(self, doc: bytes) -> None:
+        """Parse and activate a control document (raises ValueError to refuse)."""
+        from .access_stream import build_node_stream
+        from .dataset_cache import DatasetCache
+        from .order import list_files
+        from .plan import parse_plan
+
+        plan = parse_plan(doc)
+        t0 = time.perf_counter()
+        paths = list_files(self.root_fd, plan)
+        stream = build_node_stream(plan, len(paths))
+        with self._lock:
+            old = self._active
+        if old is not None and old.paths == paths:
+            old.cache.set_plan(stream)
+            new = _Active(plan, paths, old.cache)
+        else:
+            backend = Backend(self.root_fd, paths)
+            push = self.push
+            cache = DatasetCache(
+                backend,
+                ram_bytes=self.ram_bytes,
+                ssd_dir=self.ssd_dir,
+                ssd_bytes=self.ssd_bytes,
+                fetch_threads=self.fetch_threads,
+                push=(lambda fid, data: push(paths[fid], data)) if push else None,
+            )
+            cache.set_plan(stream)
+            cache.start()
+            new = _Active(plan, paths, cache)
+        with self._lock:
+            self._active = new
+            self._plans_applied += 1
+        if old is not None and old.cache is not new.cache:
+            old.cache.close()
+        log.info("plan applied: %d files, %d predicted accesses, %.2f s",
+                 len(paths), len(stream.file_ids), time.perf_counter() - t0)
+
+    def read(self, path: bytes, off: int, size: int) -> bytes:
+        """Serve a kernel read of dataset file *path* (worker thread)."""
+        active = self._active
+        if active is not None:
+            fid = active.ids.get(path)
+            if fid is not None:
+                return active.cache.read(fid, off, size)
+        self._unplanned_reads += 1
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.root_fd)
+        try:
+            return os.pread(fd, size, off)
+        finally:
+            os.close(fd)
+
+    def note_lookup(self, path: bytes) -> None:
+        """The kernel looked *path* up (a first open since its dentry expired)."""
+        active = self._active
+        if active is not None:
+            fid = active.ids.get(path)
+            if fid is not None:
+                active.cache.note_lookup(fid)
+
+    def status(self) -> dict[str, Any]:
+        """Plan and tier status for ``.fsd/status``."""
+        active = self._active
+        out: dict[str, Any] = {"plans_applied": self._plans_applied, "unplanned_reads": self._unplanned_reads}
+        if active is None:
+            out["plan"] = None
+            return out
+        out["plan"] = active.plan.to_json() if hasattr(active.plan, "to_json") else str(active.plan)
+        out["files"] = len(active.paths)
+        out["cache"] = active.cache.stats()
+        return out
+
+    def close(self) -> None:
+        """Stop the active cache's threads."""
+        with self._lock:
+            active, self._active = self._active, None
+        if active is not None:
+            active.cache.close()

@@ -1,0 +1,106 @@
+"""Shared fixtures: real FUSE mounts in subprocesses, always unmounted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FSD = [sys.executable, "-m", "fsd.cli"]
+
+
+def is_fsd_mount(path: Path) -> bool:
+    """True if an fsd filesystem is mounted at *path*."""
+    from fsd.mount import fsd_mount_at
+
+    return fsd_mount_at(path)
+
+
+class Mount:
+    """A running ``fsd mount`` in the foreground of a subprocess."""
+
+    def __init__(self, args: list[str], mountpoint: Path, log: Path) -> None:
+        self.mountpoint = mountpoint
+        self.log = log
+        self._logf = open(log, "wb")
+        self.proc = subprocess.Popen(FSD + ["mount", *args], stdout=self._logf, stderr=subprocess.STDOUT,
+                                     cwd=REPO, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while not is_fsd_mount(mountpoint):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fsd mount exited {self.proc.returncode}: {self.log_text()}")
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"mount not ready after 30 s: {self.log_text()}")
+            time.sleep(0.02)
+
+    def log_text(self) -> str:
+        self._logf.flush()
+        return self.log.read_text(errors="replace")
+
+    def status(self) -> dict:
+        return json.loads((self.mountpoint / ".fsd" / "status").read_bytes())
+
+    def control(self, doc: dict | str | bytes) -> None:
+        """Write a control document (raises OSError(EINVAL) if refused)."""
+        data = doc if isinstance(doc, bytes) else (doc if isinstance(doc, str) else json.dumps(doc)).encode()
+        fd = os.open(self.mountpoint / ".fsd" / "control", os.O_WRONLY | os.O_TRUNC)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+    def close(self, timeout: float = 60) -> int | None:
+        """Unmount (lazily if needed) and reap the daemon."""
+        if self.proc.poll() is None:
+            subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
+                self.proc.kill()
+                self.proc.wait(10)
+        if is_fsd_mount(self.mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
+        self._logf.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def mounter(tmp_path: Path) -> Iterator:
+    """Factory: ``mounter(args, mountpoint)`` mounts; every mount is torn down."""
+    mounts: list[Mount] = []
+
+    def make(args: list[str], mountpoint: Path) -> Mount:
+        m = Mount([str(a) for a in args], mountpoint, tmp_path / f"fsd-{len(mounts)}.log")
+        mounts.append(m)
+        return m
+
+    yield make
+    for m in reversed(mounts):
+        m.close()
+
+
+def make_tree(root: Path, n_classes: int = 3, per_class: int = 5, size: int = 1000) -> None:
+    """A small ImageFolder-style tree with varied sizes, a symlink and a nested dir."""
+    import random
+
+    rng = random.Random(1234)
+    for c in range(n_classes):
+        d = root / f"class{c:02d}"
+        d.mkdir(parents=True)
+        for i in range(per_class):
+            (d / f"img{i:04d}.jpg").write_bytes(rng.randbytes(rng.randint(0, size)))
+    (root / "class00" / "nested").mkdir()
+    (root / "class00" / "nested" / "deep.png").write_bytes(rng.randbytes(5000))
+    (root / "link.jpg").symlink_to("class00/img0000.jpg")
+    (root / "readme.txt").write_text("not a sample\n")
+    os.utime(root / "readme.txt", ns=(1_000_000_000, 2_000_000_000))
+    os.chmod(root / "readme.txt", 0o640)

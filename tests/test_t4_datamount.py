@@ -1,0 +1,198 @@
+"""Real mounts of the dataset view: metadata, contents, read-only, control dir, CLI."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FSD, make_tree
+
+pytestmark = [pytest.mark.mount, pytest.mark.timeout(120)]
+
+
+def _walk(root: Path) -> dict[str, tuple]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".fsd"]
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = os.lstat(p)
+            rel = str(p.relative_to(root))
+            content = None
+            if os.path.islink(p):
+                content = os.readlink(p)
+            elif p.is_file():
+                content = p.read_bytes()
+            out[rel] = (st.st_mode, st.st_size, st.st_mtime_ns, st.st_uid, st.st_gid, content)
+    return out
+
+
+def test_view_equals_source(tmp_path: Path, mounter) -> None:
+    src = tmp_path / "src"
+    make_tree(src)
+    expect = _walk(src)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mounter(["--data", src, "--at", mnt], mnt)
+    assert _walk(mnt) == expect
+
+
+def test_in_place_mount_serves_original_files(tmp_path: Path, mounter) -> None:
+    src = tmp_path / "src"
+    make_tree(src)
+    expect = _walk(src)
+    m = mounter(["--data", src], src)
+    assert _walk(src) == expect
+    assert m.status()["mount"] == "data"
+    assert ".fsd" not in os.listdir(src)
+    assert (src / ".fsd" / "status").exists()
+
+
+def _write_existing(path: Path) -> None:
+    # with the no-open fast path the kernel opens without asking; the write is refused
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, b"x")
+    finally:
+        os.close(fd)
+
+
+def test_writes_refused_with_erofs(tmp_path: Path, mounter) -> None:
+    src = tmp_path / "src"
+    make_tree(src)
+    mounter(["--data", src], src)
+    cases = [
+        lambda: open(src / "new.txt", "w"),
+        lambda: _write_existing(src / "readme.txt"),
+        lambda: os.truncate(src / "readme.txt", 0),
+        lambda: os.mkdir(src / "d"),
+        lambda: os.unlink(src / "readme.txt"),
+        lambda: os.rename(src / "readme.txt", src / "r2"),
+        lambda: os.symlink("x", src / "s"),
+        lambda: os.chmod(src / "readme.txt", 0o777),
+    ]
+    for case in cases:
+        with pytest.raises(OSError) as ei:
+            case()
+        assert ei.value.errno == errno.EROFS
+    assert (src / "readme.txt").read_text() == "not a sample\n"
+
+
+def test_large_directory_readdir(tmp_path: Path, mounter) -> None:
+    src = tmp_path / "src"
+    big = src / "big"
+    big.mkdir(parents=True)
+    n = 100_000
+    for i in range(n):
+        (big / f"f{i:06d}").touch()
+    mounter(["--data", src], src)
+    names = os.listdir(big)
+    assert len(names) == n
+    assert sorted(names) == [f"f{i:06d}" for i in range(n)]
+
+
+def test_control_malformed_is_einval_and_explained(tmp_path: Path, mounter) -> None:
+    src = tmp_path / "src"
+    make_tree(src)
+    m = mounter(["--data", src], src)
+    before = m.status()["plans_applied"]
+    for bad in [b"garbage", b'{"seed": 1,,}', b'{"seed": ', b"\xff\xfe", b"[1, 2]"]:
+        with pytest.raises(OSError) as ei:
+            m.control(bad)
+        assert ei.value.errno == errno.EINVAL
+        assert (src / ".fsd" / "error").read_text().strip()
+    st = m.status()
+    assert st["plans_applied"] == before
+    assert st["control"]["rejected"] == 5
+    # the mount is still fully functional
+    assert (src / "readme.txt").read_text() == "not a sample\n"
+
+
+def test_control_file_modes(tmp_path: Path, mounter) -> None:
+    src = tmp_path / "src"
+    make_tree(src)
+    mounter(["--data", src], src)
+    assert (os.stat(src / ".fsd" / "control").st_mode & 0o777) == 0o600
+    assert (os.stat(src / ".fsd" / "status").st_mode & 0o777) == 0o444
+    for name in ("status", "error"):
+        fd = os.open(src / ".fsd" / name, os.O_WRONLY)  # root passes the mode check
+        try:
+            with pytest.raises(OSError) as ei:
+                os.write(fd, b"{}")
+            assert ei.value.errno == errno.EACCES
+        finally:
+            os.close(fd)
+
+
+def test_status_is_fresh_on_every_read(tmp_path: Path, mounter) -> None:
+    src = tmp_path / "src"
+    make_tree(src)
+    m = mounter(["--data", src], src)
+    a = m.status()["ops"].get("lookup", 0)
+    for i in range(5):
+        (src / "class01" / f"img{i:04d}.jpg").stat()
+    b = m.status()["ops"]["lookup"]
+    assert b >= a + 5
+
+
+def _fsd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(FSD + list(args), capture_output=True, text=True, timeout=60)
+
+
+def test_cli_errors(tmp_path: Path, mounter) -> None:
+    r = _fsd("mount", "--data", str(tmp_path / "missing"))
+    assert r.returncode == 1 and "not a directory" in r.stderr and "Traceback" not in r.stderr
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = _fsd("mount", "--data", str(f))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    r = _fsd("mount", "--data", str(tmp_path), "--ram-cache", "lots")
+    assert r.returncode == 2 and "not a size" in r.stderr
+    r = _fsd("unmount", str(tmp_path))
+    assert r.returncode == 1 and "not an fsd mount" in r.stderr
+    src = tmp_path / "src"
+    make_tree(src)
+    mounter(["--data", src], src)
+    r = _fsd("mount", "--data", str(src))
+    assert r.returncode == 1 and "already an fsd mount" in r.stderr
+    r = _fsd("status", str(src))
+    assert r.returncode == 0 and "uptime_s" in r.stdout
+    r = _fsd("status", "--json", str(src))
+    assert json.loads(r.stdout)["mount"] == "data"
+
+
+def test_daemon_mode_and_unmount(tmp_path: Path) -> None:
+    from fsd.mount import fsd_mount_at
+
+    src = tmp_path / "src"
+    make_tree(src)
+    try:
+        r = _fsd("mount", "--data", str(src), "--daemon", "--log", str(tmp_path / "d.log"))
+        assert r.returncode == 0, r.stderr
+        assert fsd_mount_at(src)
+        pid = json.loads((src / ".fsd" / "status").read_text())["pid"]
+        r = _fsd("unmount", str(src))
+        assert r.returncode == 0, r.stderr
+        assert not fsd_mount_at(src)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        if fsd_mount_at(src):
+            subprocess.run(["fusermount3", "-u", "-z", str(src)])
+
+
+def test_sigterm_unmounts_cleanly(tmp_path: Path, mounter) -> None:
+    from fsd.mount import fsd_mount_at
+
+    src = tmp_path / "src"
+    make_tree(src)
+    m = mounter(["--data", src], src)
+    m.proc.terminate()
+    assert m.proc.wait(30) == 0
+    assert not fsd_mount_at(src)
