@@ -66,7 +66,7 @@ class Planner:
         plan = parse_plan(doc)
         t0 = time.perf_counter()
         paths = list_files(self.root_fd, plan)
-        stream = build_node_stream(plan, len(paths))
+        stream = build_node_stream(plan, len(paths), root_fd=self.root_fd)
         with self._lock:
             old = self._active
         if old is not None and old.paths == paths:
