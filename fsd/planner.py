@@ -123,7 +123,7 @@ class Planner:
         if active is None:
             out["plan"] = None
             return out
-        out["plan"] = active.plan.to_json() if hasattr(active.plan, "to_json") else str(active.plan)
+        out["plan"] = active.plan.to_dict()
         out["files"] = len(active.paths)
         out["cache"] = active.cache.stats()
         return out
