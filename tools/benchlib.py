@@ -1,0 +1,297 @@
+"""Shared helpers for the fsd benchmarks (tools/bench-*, tools/demo).
+
+- dataset generation: ImageFolder-style class folders of raw "images" (``.npy`` bytes
+  under a ``.jpg`` name, so ImageFolder's extension filter and order apply),
+- timing and the "last line is one JSON object" convention,
+- page-cache dropping, and
+- cgroup-v1 memory caps (:class:`MemCgroup`): page cache counts against the limit, so a
+  dataset larger than the cap is honestly "larger than RAM" on a 24 GiB machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+log = logging.getLogger("fsd.bench")
+
+MEMCG_ROOT = Path("/sys/fs/cgroup/memory")
+# torchvision.datasets.folder.IMG_EXTENSIONS: what ImageFolder keeps.
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def is_root() -> bool:
+    """True when running as root."""
+    return os.geteuid() == 0
+
+
+def now() -> float:
+    """Monotonic seconds (the clock every benchmark timestamp uses)."""
+    return time.monotonic()
+
+
+def setup_logging(verbose: bool = False) -> None:
+    """Log to stderr so stdout stays for results (last line JSON)."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def print_json_last(obj: dict[str, Any]) -> None:
+    """Print ``obj`` as the final stdout line (one line, compact) and flush."""
+    sys.stdout.flush()
+    print(json.dumps(obj, separators=(",", ":"), default=str), flush=True)
+
+
+def sigterm_raises() -> None:
+    """SIGTERM/SIGHUP raise SystemExit so ``finally`` teardown runs (main thread only)."""
+
+    def _raise(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise)
+
+
+def drop_caches() -> bool:
+    """sync + drop the page cache (root only). Returns whether it was done."""
+    if not is_root():
+        return False
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+    return True
+
+
+# --------------------------------------------------------------------------- dataset
+
+
+def encode_image(arr: np.ndarray) -> bytes:
+    """Raw bytes of one sample (``.npy`` format: header + uint8 pixels)."""
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def decode_image(data: bytes) -> np.ndarray:
+    """Inverse of :func:`encode_image`."""
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def image_shape_for(file_bytes: int) -> tuple[int, int, int]:
+    """A square 3-channel shape whose pixel bytes are close to ``file_bytes``."""
+    side = max(8, int(round((file_bytes / 3) ** 0.5)))
+    return (3, side, side)
+
+
+def make_imagefolder(
+    root: Path | str,
+    n_files: int,
+    n_classes: int = 10,
+    file_bytes: int = 100_000,
+    seed: int = 0,
+    fsync: bool = True,
+) -> dict[str, Any]:
+    """Write ``n_files`` samples into ``root/class_XXX/img_YYYYYY.jpg``; return a summary.
+
+    Pixels are random (incompressible), labels are the class folders.
+    """
+    root = Path(root)
+    rng = np.random.default_rng(seed)
+    shape = image_shape_for(file_bytes)
+    total = 0
+    t0 = now()
+    for c in range(n_classes):
+        (root / f"class_{c:03d}").mkdir(parents=True, exist_ok=True)
+    for i in range(n_files):
+        c = i % n_classes
+        data = encode_image(rng.integers(0, 256, size=shape, dtype=np.uint8))
+        path = root / f"class_{c:03d}" / f"img_{i:06d}.jpg"
+        with open(path, "wb") as f:
+            f.write(data)
+        total += len(data)
+    if fsync:
+        os.sync()
+    info = {"root": str(root), "files": n_files, "classes": n_classes, "bytes": total,
+            "file_bytes": total // max(1, n_files), "shape": list(shape), "gen_s": round(now() - t0, 2)}
+    log.info("dataset: %d files, %.1f MiB in %s (%.1f s)", n_files, total / 2**20, root, info["gen_s"])
+    return info
+
+
+def list_imagefolder(root: Path | str) -> tuple[list[str], list[tuple[str, int]]]:
+    """ImageFolder order: sorted class dirs, then each class's files by sorted ``os.walk``."""
+    root = Path(root)
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    samples: list[tuple[str, int]] = []
+    for idx, cls in enumerate(classes):
+        for dirpath, _dirs, files in sorted(os.walk(root / cls, followlinks=True)):
+            for name in sorted(files):
+                if name.lower().endswith(IMG_EXTENSIONS):
+                    samples.append((os.path.join(dirpath, name), idx))
+    return classes, samples
+
+
+# --------------------------------------------------------------------------- memory cgroup
+
+
+class MemCgroup:
+    """A cgroup-v1 memory cgroup ``fsd-bench-<id>`` with ``memory.limit_in_bytes``.
+
+    Commands join it via :meth:`wrap` (a shell that writes its own pid to
+    ``cgroup.procs`` and then execs the command, so nothing runs outside the cap even
+    briefly); their children (e.g. a ``--daemon`` fork) stay in it. Page cache the
+    members fault in is charged to it. :meth:`close` kills what is left and removes it.
+    """
+
+    def __init__(self, limit_bytes: int, tag: str | None = None) -> None:
+        self.limit = int(limit_bytes)
+        self.path = MEMCG_ROOT / f"fsd-bench-{tag or uuid.uuid4().hex[:8]}"
+
+    def __enter__(self) -> "MemCgroup":
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Create the cgroup and set the limit (root only)."""
+        self.path.mkdir()
+        try:
+            (self.path / "memory.limit_in_bytes").write_text(f"{self.limit}\n")
+            with contextlib.suppress(OSError):
+                (self.path / "memory.swappiness").write_text("0\n")
+        except BaseException:
+            self.path.rmdir()
+            raise
+        log.info("memory cgroup %s limit %.0f MiB", self.path.name, self.limit / 2**20)
+
+    def wrap(self, cmd: Sequence[str]) -> list[str]:
+        """``cmd`` prefixed so that it runs inside this cgroup from its first instruction."""
+        return ["/bin/sh", "-c", f'echo $$ > "{self.path}/cgroup.procs" && exec "$@"', "memcg", *cmd]
+
+    def pids(self) -> list[int]:
+        """Processes currently in the cgroup."""
+        try:
+            return [int(x) for x in (self.path / "cgroup.procs").read_text().split()]
+        except OSError:
+            return []
+
+    def stats(self) -> dict[str, int]:
+        """Peak usage, current usage, limit-hit count, and the cache/rss split."""
+        def rd(name: str) -> int:
+            try:
+                return int((self.path / name).read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                return -1
+
+        out = {"limit": self.limit, "max_usage": rd("memory.max_usage_in_bytes"),
+               "usage": rd("memory.usage_in_bytes"), "failcnt": rd("memory.failcnt")}
+        with contextlib.suppress(OSError):
+            for line in (self.path / "memory.stat").read_text().splitlines():
+                k, v = line.split()
+                if k in ("total_cache", "total_rss", "total_dirty", "total_writeback"):
+                    out[k] = int(v)
+        with contextlib.suppress(OSError):
+            oom = dict(line.split() for line in (self.path / "memory.oom_control").read_text().splitlines())
+            out["oom_kill"] = int(oom.get("oom_kill", 0))
+        return out
+
+    def close(self) -> None:
+        """Kill remaining members (TERM, then KILL), empty and remove the cgroup."""
+        if not self.path.exists():
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            pids = self.pids()
+            if not pids:
+                break
+            log.warning("memory cgroup %s: %s still running; %s", self.path.name, pids, sig.name)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = now() + 5
+            while self.pids() and now() < deadline:
+                time.sleep(0.1)
+        with contextlib.suppress(OSError):
+            (self.path / "memory.force_empty").write_text("0\n")
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+        log.error("could not remove memory cgroup %s", self.path)
+
+
+@contextlib.contextmanager
+def maybe_memcg(limit_bytes: int | None, tag: str | None = None) -> Iterator[MemCgroup | None]:
+    """A :class:`MemCgroup` when root and a limit is given, else None (uncapped)."""
+    if not limit_bytes or not is_root() or not MEMCG_ROOT.exists():
+        yield None
+        return
+    cg = MemCgroup(limit_bytes, tag)
+    cg.open()
+    try:
+        yield cg
+    finally:
+        cg.close()
+
+
+def stale_memcgs() -> list[Path]:
+    """Leftover ``fsd-bench-*`` cgroups (from a crashed run)."""
+    return sorted(MEMCG_ROOT.glob("fsd-bench-*")) if MEMCG_ROOT.exists() else []
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def run_logged(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None,
+               cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd``, capture output, log it at debug, raise with the stderr tail on failure."""
+    log.debug("run: %s", " ".join(map(str, cmd)))
+    p = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    if p.returncode != 0:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-15:]
+        raise RuntimeError(f"{cmd[0]} ... exited {p.returncode}:\n" + "\n".join(tail))
+    return p
+
+
+def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> list[int]:
+    """Wait for every process with one shared deadline; kill the rest on timeout."""
+    deadline = now() + timeout
+    rcs: list[int] = []
+    try:
+        for p in procs:
+            rcs.append(p.wait(timeout=max(0.1, deadline - now())))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return rcs
+
+
+def throughput_series(step_log: Sequence[tuple[float, int]], t0: float, bin_s: float = 1.0) -> tuple[list[float], list[float]]:
+    """(time, samples/s) per ``bin_s`` bin from (timestamp, samples) step records."""
+    if not step_log:
+        return [], []
+    end = max(t for t, _ in step_log)
+    nbins = int((end - t0) / bin_s) + 1
+    acc = [0.0] * nbins
+    for t, n in step_log:
+        acc[min(nbins - 1, max(0, int((t - t0) / bin_s)))] += n
+    return [(i + 0.5) * bin_s for i in range(nbins)], [a / bin_s for a in acc]
