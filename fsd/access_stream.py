@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from fsd.plan import Plan, PlanError, window_entries
-from fsd.sampler import distributed_sizes, iter_epochs, load_indices
+from fsd.sampler import distributed_epoch, distributed_sizes, iter_epochs, load_indices
 
 
 @dataclass(frozen=True)
@@ -58,14 +60,40 @@ def interleave_epoch(idx: np.ndarray, ranks: np.ndarray, batch_size: int) -> tup
     return np.concatenate([head, tail]), np.concatenate([r_head, r_tail])
 
 
+PARALLEL_PERM_BYTES = 256 << 20
+"""Budget for permutations generated concurrently by :func:`build_node_stream`."""
+
+
+def _epochs(plan: Plan, n_files: int, indices: Sequence[np.ndarray] | None, threads: int | None
+            ) -> Iterator[np.ndarray]:
+    """Per-epoch index matrices, in epoch order; distributed epochs are independent, so several
+    permutations are drawn at once (torch.randperm releases the GIL) within PARALLEL_PERM_BYTES."""
+    if threads is None:
+        threads = min(4, os.cpu_count() or 1, max(1, PARALLEL_PERM_BYTES // max(1, 4 * n_files)))
+    if plan.sampler != "distributed" or threads <= 1 or plan.epochs - plan.start_epoch < 2:
+        for _, idx in iter_epochs(plan, n_files, indices=indices):
+            yield idx
+        return
+    ranks = sorted(plan.ranks)
+
+    def one(e: int) -> np.ndarray:
+        return distributed_epoch(n_files, e, ranks, num_replicas=plan.num_replicas, seed=plan.seed,
+                                 shuffle=plan.shuffle, drop_last=plan.drop_last)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="fsd-plan") as ex:
+        # results are the node's share only (len(ranks) * n / num_replicas), so queueing them is cheap
+        yield from ex.map(one, plan.remaining_epochs)
+
+
 def build_node_stream(plan: Plan, n_files: int, *, indices: Sequence[np.ndarray] | None = None,
-                      root_fd: int | None = None) -> NodeStream:
+                      root_fd: int | None = None, threads: int | None = None) -> NodeStream:
     """The node's predicted accesses for epochs ``start_epoch .. epochs-1``.
 
     Ranks of the node advance in lockstep, ordered by (epoch, step, rank, position),
     each taking ``batch_size`` samples per step. File id = sample index (see ``order``).
     Sampler ``indices`` needs the loaded file (``indices=sampler.load_indices(...)``) or
-    ``root_fd`` to load it from. Epochs are generated one at a time into preallocated arrays.
+    ``root_fd`` to load it from. Epochs are generated into preallocated arrays, a few
+    (``threads``; default by core count and memory budget) at a time.
     """
     t0 = time.monotonic()
     if plan.sampler == "indices" and indices is None and root_fd is not None:
@@ -89,7 +117,7 @@ def build_node_stream(plan: Plan, n_files: int, *, indices: Sequence[np.ndarray]
     total = int(bounds[-1])
     file_ids = np.empty(total, dtype=id_dtype(n_files))
     ranks = np.empty(total, dtype=np.int16)
-    for k, (_, idx) in enumerate(iter_epochs(plan, n_files, indices=indices)):
+    for k, idx in enumerate(_epochs(plan, n_files, indices, threads)):
         f, r = interleave_epoch(idx, rank_rows, plan.batch_size)
         a, b = int(bounds[k]), int(bounds[k + 1])
         file_ids[a:b] = f
