@@ -43,6 +43,11 @@ def id_dtype(n_files: int) -> type[np.integer]:
     return np.int32 if n_files < (1 << 31) else np.int64
 
 
+def rank_dtype(max_rank: int) -> type[np.integer]:
+    """Rank dtype: int16, or int32 for world sizes beyond 32768."""
+    return np.int16 if max_rank < (1 << 15) else np.int32
+
+
 def interleave_epoch(idx: np.ndarray, ranks: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """One epoch of ``idx`` (rows = ranks, in rank order) in lockstep order (step, rank, position).
 
@@ -54,7 +59,7 @@ def interleave_epoch(idx: np.ndarray, ranks: np.ndarray, batch_size: int) -> tup
     cut = full * batch_size
     head = idx[:, :cut].reshape(n_r, full, batch_size).transpose(1, 0, 2).reshape(-1)
     tail = idx[:, cut:].reshape(-1)
-    r = ranks.astype(np.int16)
+    r = ranks.astype(rank_dtype(int(ranks.max()) if ranks.size else 0))
     r_head = np.broadcast_to(r[None, :, None], (full, n_r, batch_size)).reshape(-1)
     r_tail = np.repeat(r, m - cut)
     return np.concatenate([head, tail]), np.concatenate([r_head, r_tail])
@@ -116,7 +121,7 @@ def build_node_stream(plan: Plan, n_files: int, *, indices: Sequence[np.ndarray]
     np.cumsum(per_epoch, out=bounds[1:])
     total = int(bounds[-1])
     file_ids = np.empty(total, dtype=id_dtype(n_files))
-    ranks = np.empty(total, dtype=np.int16)
+    ranks = np.empty(total, dtype=rank_dtype(int(rank_rows.max())))
     for k, idx in enumerate(_epochs(plan, n_files, indices, threads)):
         f, r = interleave_epoch(idx, rank_rows, plan.batch_size)
         a, b = int(bounds[k]), int(bounds[k + 1])
@@ -151,4 +156,5 @@ def next_use(stream: NodeStream) -> np.ndarray:
     return out
 
 
-__all__ = ["NodeStream", "build_node_stream", "future_counts", "id_dtype", "interleave_epoch", "next_use"]
+__all__ = ["NodeStream", "build_node_stream", "future_counts", "id_dtype", "interleave_epoch", "next_use",
+           "rank_dtype"]

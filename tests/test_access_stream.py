@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler, RandomSampler
 
 from fsd.access_stream import (NodeStream, build_node_stream, future_counts, id_dtype, interleave_epoch,
-                               next_use)
+                               next_use, rank_dtype)
 from fsd.plan import Plan, PlanError, parse_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,9 +121,13 @@ def test_interleave_partial_last_step() -> None:
     assert r.tolist() == [2, 2, 5, 5, 2, 2, 5, 5, 2, 5]
 
 
-def test_id_dtype() -> None:
+def test_id_and_rank_dtypes() -> None:
     assert id_dtype(2**31 - 1) is np.int32
     assert id_dtype(2**31) is np.int64
+    assert rank_dtype(2**15 - 1) is np.int16
+    assert rank_dtype(2**15) is np.int32
+    big = build_node_stream(Plan(epochs=1, sampler="distributed", num_replicas=40000, ranks=(39999, 7)), 80000)
+    assert big.ranks.dtype == np.int32 and set(big.ranks.tolist()) == {7, 39999}
 
 
 def _stream(ids: list[int]) -> NodeStream:
