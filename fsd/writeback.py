@@ -86,6 +86,21 @@ class _Job:
     nbytes: int
 
 
+def _pwritev_all(fd: int, views: list[memoryview], off: int) -> None:
+    """pwritev until everything is written; a short write is retried so that the
+    device's real error (ENOSPC, EIO) surfaces instead of a generic one."""
+    while views:
+        n = os.pwritev(fd, views, off)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "device accepts no more bytes")
+        off += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        if n:
+            views = [views[0][n:], *views[1:]]
+
+
 class DeviceIO:
     """One device: data directory, fd cache and flusher threads (blocking side)."""
 
@@ -197,10 +212,7 @@ class DeviceIO:
             err: BaseException | None = None
             t0 = time.perf_counter()
             try:
-                fd = self.wfd(job.file_id)
-                n = os.pwritev(fd, job.views, job.local_off)
-                if n != job.nbytes:
-                    raise OSError(errno.EIO, f"short write {n} of {job.nbytes}")
+                _pwritev_all(self.wfd(job.file_id), job.views, job.local_off)
             except OSError as e:
                 err = e
             except BaseException as e:  # a bug: report as EIO, keep the worker alive
