@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,12 +139,11 @@ def test_iter_epochs_distributed_rows_sorted_by_rank() -> None:
         assert idx[1].tolist() == _torch_dist(99, 8, 6, 3, True, False, e)
 
 
-def _root(tmp_path):  # noqa: ANN001, ANN202
-    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    return fd
+def _root(tmp_path: Path) -> int:
+    return os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
 
 
-def test_load_indices_npy_and_json(tmp_path) -> None:  # noqa: ANN001
+def test_load_indices_npy_and_json(tmp_path: Path) -> None:
     arr = np.array([[3, 1, 2], [0, 0, 4]], dtype=np.int64)
     np.save(tmp_path / "ix.npy", arr)
     (tmp_path / "ix.json").write_text(json.dumps([[3, 1], [4], [2, 2, 2]]))
@@ -170,7 +170,7 @@ def test_load_indices_npy_and_json(tmp_path) -> None:  # noqa: ANN001
     ("[[-1], [1]]", "outside"),
     ("[[99999999999999999999999], [1]]", "out of range"),
 ])
-def test_load_indices_json_errors(tmp_path, content: str, msg: str) -> None:  # noqa: ANN001
+def test_load_indices_json_errors(tmp_path: Path, content: str, msg: str) -> None:
     (tmp_path / "ix.json").write_text(content)
     fd = _root(tmp_path)
     try:
@@ -180,7 +180,7 @@ def test_load_indices_json_errors(tmp_path, content: str, msg: str) -> None:  # 
         os.close(fd)
 
 
-def test_load_indices_npy_errors(tmp_path) -> None:  # noqa: ANN001
+def test_load_indices_npy_errors(tmp_path: Path) -> None:
     np.save(tmp_path / "f.npy", np.zeros((2, 2), dtype=np.float32))
     np.save(tmp_path / "one.npy", np.zeros(3, dtype=np.int64))
     (tmp_path / "bad.npy").write_bytes(b"not numpy")
