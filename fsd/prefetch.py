@@ -1,0 +1,288 @@
+"""Prefetcher threads, reader-progress tracking, lead adaptation, divergence back-off.
+
+Where is the reader?
+    Once the kernel page cache holds a file, its reads never reach the daemon,
+    so progress is inferred from what *does* arrive (reads and lookups):
+
+    * **Progress beacons.** Every ``beacon_every``-th predicted access
+      (position ``i % beacon_every == 0``) is pushed *without its last page*
+      (files of one page or less are not pushed at all). The reader's read of
+      that page reaches the daemon and pins the reader's position to within
+      the reorder slack ``window``. Cost: one FUSE round trip (~30-60 us) per
+      ``beacon_every`` files, i.e. < 1 % of a 50k files/s reader at 16.
+    * **Every other read/lookup** that arrives is matched too (page-cache
+      misses, first-epoch lookups), so without a ``push`` every read is a beacon.
+    * **Rate extrapolation.** Between beacons the position is extrapolated with
+      an EWMA of the observed entries/s, capped at ``front + beacon_every +
+      window`` (the reader cannot pass the next beacon unnoticed).
+
+Matching
+    A read of file *f* matches if *f*'s first predicted access at or after
+    ``front - 2*window`` lies within ``max_jump`` of the front (``front`` =
+    furthest matched position; ``max_jump`` = current lead + 2*window +
+    beacon_every). Files the plan never mentions are *foreign* (another job,
+    ``ls``): served, counted, not held against the plan.
+
+Divergence and back-off
+    Over the last ``DIV_WINDOW`` planned reads, ``DIV_THRESHOLD`` mismatches
+    switch the tracker to ``diverged``: the cache stops prefetching and
+    pushing (no backend thrash, no page-cache pollution) and serves reads on
+    demand. While diverged every read tries to re-anchor: ``RESYNC_MATCHES``
+    consecutive reads that fit one position of the plan (each within
+    ``2*window + beacon_every`` of the candidate) switch back to ``synced`` at
+    that position, so a reader that skipped ahead or restarted an epoch is
+    picked up again.
+
+Lead
+    The prefetch head runs ``lead = rate * lead_s`` entries ahead of the
+    estimated reader position, clamped to ``[min_lead, max_lead]``; every
+    stall (a read that had to wait for, or do, a backend read of a planned
+    access) multiplies ``lead_s`` by 1.25 (at most 10 times a second, up to 8x
+    the base) and it decays back by 10 %/s without stalls. The hard bound is
+    the staging byte budget: the head stops when the next miss cannot reserve
+    its bytes.
+
+Threads
+    One coordinator thread asks the cache for the next tasks in exact stream
+    order and queues them FIFO for ``fetch_threads`` worker threads (plain
+    threads, never the trio loop), which run the backend reads in parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fsd.belady import NEVER, FileIndex
+
+log = logging.getLogger(__name__)
+
+SYNCED = "synced"
+DIVERGED = "diverged"
+
+DIV_WINDOW = 32
+DIV_THRESHOLD = 12
+RESYNC_MATCHES = 8
+
+
+@dataclass
+class Task:
+    """One unit of prefetch work, executed by a worker thread."""
+
+    kind: str  # "fetch" | "push"
+    fid: int
+    pos: int
+    plan_gen: int
+    reserved: int = 0
+    ref: object = None  # the cache's in-flight record of a fetch
+
+
+class ProgressTracker:
+    """Estimates the reader's position in the stream; not thread-safe (cache lock)."""
+
+    def __init__(self, index: FileIndex, n: int, window: int, beacon_every: int) -> None:
+        self.index = index
+        self.n = n
+        self.window = max(1, int(window))
+        self.beacon_every = beacon_every  # 0: no beacons (every read arrives)
+        self.state = SYNCED
+        self.front = -1  # furthest matched position
+        self.t_front = 0.0
+        self.rate = 0.0  # entries / s
+        self._rate_pos = -1
+        self._rate_t = 0.0
+        self.recent: deque[bool] = deque(maxlen=DIV_WINDOW)
+        self.matched = 0
+        self.mismatched = 0
+        self.foreign = 0
+        self.divergences = 0
+        self.resyncs = 0
+        self._cand: int | None = None
+        self._consec = 0
+
+    @property
+    def slack(self) -> int:
+        """How far past the front the reader can be without a read reaching us."""
+        return self.window + (self.beacon_every or 0)
+
+    def est_pos(self, now: float) -> float:
+        """Extrapolated reader position (entries consumed)."""
+        base = max(self.front, 0)
+        if self.rate <= 0 or self.front < 0:
+            return float(base)
+        return min(base + self.rate * max(0.0, now - self.t_front), float(base + self.slack))
+
+    def observe(self, fid: int, now: float, max_jump: int) -> int | None:
+        """Match a read/lookup of *fid*; returns its stream position or None."""
+        if self.index.count(fid) == 0:
+            self.foreign += 1
+            return None
+        if self.state == DIVERGED:
+            return self._resync(fid, now)
+        lo = max(0, self.front - 2 * self.window)
+        q = self.index.first_at_or_after(fid, lo)
+        ok = q != NEVER and q <= max(self.front, 0) + max_jump
+        self.recent.append(ok)
+        if ok:
+            self.matched += 1
+            self._advance(q, now)
+            return q
+        self.mismatched += 1
+        if self.recent.count(False) >= DIV_THRESHOLD:
+            self.state = DIVERGED
+            self.divergences += 1
+            self._cand, self._consec = None, 0
+            log.warning("reads diverged from the plan near position %d (%d of the last %d reads unmatched); "
+                        "prefetch paused", self.front, self.recent.count(False), len(self.recent))
+        return None
+
+    def _advance(self, q: int, now: float) -> None:
+        if q <= self.front:
+            return
+        self.front = q
+        self.t_front = now
+        if self._rate_pos < 0:
+            self._rate_pos, self._rate_t = q, now
+            return
+        dt = now - self._rate_t
+        if dt >= 0.05:
+            inst = (q - self._rate_pos) / dt
+            self.rate = inst if self.rate <= 0 else 0.7 * self.rate + 0.3 * inst
+            self._rate_pos, self._rate_t = q, now
+
+    def _resync(self, fid: int, now: float) -> int | None:
+        tol = 2 * self.window + (self.beacon_every or 0)
+        if self._cand is not None:
+            q = self.index.first_at_or_after(fid, max(0, self._cand - tol))
+            if q != NEVER and q <= self._cand + tol:
+                self._consec += 1
+                self._cand = max(self._cand, q)
+                if self._consec >= RESYNC_MATCHES:
+                    self.state = SYNCED
+                    self.resyncs += 1
+                    self.recent.clear()
+                    self.front = -1
+                    self._rate_pos = -1
+                    self._advance(self._cand, now)
+                    log.warning("reads match the plan again at position %d; prefetch resumed", self._cand)
+                    return q
+                return None
+        q = self.index.first_at_or_after(fid, max(0, self.front - 2 * self.window))
+        if q == NEVER:
+            q = self.index.first_at_or_after(fid, 0)
+        self._cand, self._consec = q, 1
+        return None
+
+    def stats(self) -> dict:
+        return {
+            "state": self.state,
+            "front": self.front,
+            "rate_entries_s": round(self.rate, 1),
+            "matched": self.matched,
+            "mismatched": self.mismatched,
+            "foreign": self.foreign,
+            "divergences": self.divergences,
+            "resyncs": self.resyncs,
+        }
+
+
+class LeadControl:
+    """Lead in entries from the consumption rate, boosted by stalls."""
+
+    def __init__(self, lead_s: float, min_lead: int, max_lead: int) -> None:
+        self.base_s = lead_s
+        self.boost = 1.0
+        self.min_lead = min_lead
+        self.max_lead = max(min_lead, max_lead)
+        self._last_stall = 0.0
+        self._last_decay = 0.0
+
+    def stalled(self, now: float) -> None:
+        """A read waited for a planned access."""
+        if now - self._last_stall >= 0.1:
+            self.boost = min(8.0, self.boost * 1.25)
+            self._last_stall = now
+
+    def entries(self, rate: float, now: float) -> int:
+        """Target lead in entries."""
+        if now - self._last_decay >= 1.0:
+            if now - self._last_stall >= 1.0:
+                self.boost = max(1.0, self.boost * 0.9)
+            self._last_decay = now
+        if rate <= 0:
+            return min(self.max_lead, 4 * self.min_lead)
+        return int(min(self.max_lead, max(self.min_lead, rate * self.base_s * self.boost)))
+
+
+class Prefetcher:
+    """Coordinator + worker threads around two callbacks of the cache.
+
+    ``schedule()`` (called by the coordinator) returns the next tasks in stream
+    order, or an empty list when there is nothing to do; ``wait(timeout)``
+    blocks until something may have changed; ``execute(task)`` runs one task.
+    """
+
+    def __init__(self, schedule: Callable[[], list[Task]], execute: Callable[[Task], None],
+                 wait: Callable[[float], None], fetch_threads: int) -> None:
+        self._schedule = schedule
+        self._execute = execute
+        self._wait = wait
+        self._n = max(1, int(fetch_threads))
+        self._q: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start the coordinator and the workers."""
+        if self._threads:
+            return
+        self._stop.clear()
+        self._threads = [threading.Thread(target=self._worker, name=f"fsd-fetch-{i}", daemon=True) for i in range(self._n)]
+        self._threads.append(threading.Thread(target=self._coordinator, name="fsd-prefetch", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def submit(self, task: Task) -> None:
+        """Queue a task out of band (e.g. a push after a lookup)."""
+        self._q.put(task)
+
+    def close(self) -> None:
+        """Stop and join all threads (queued tasks are dropped)."""
+        self._stop.set()
+        for _ in range(self._n):
+            self._q.put(None)
+        for t in self._threads:
+            t.join(timeout=30)
+            if t.is_alive():
+                log.error("thread %s did not stop", t.name)
+        self._threads = []
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def _coordinator(self) -> None:
+        while not self._stop.is_set():
+            try:
+                tasks = self._schedule()
+            except Exception:
+                log.exception("prefetch scheduling failed")
+                tasks = []
+            for t in tasks:
+                self._q.put(t)
+            if not tasks:
+                self._wait(0.02)
+
+    def _worker(self) -> None:
+        while True:
+            t = self._q.get()
+            if t is None or self._stop.is_set():
+                return
+            try:
+                self._execute(t)
+            except Exception:
+                log.exception("prefetch task %s failed", t)

@@ -1,0 +1,323 @@
+"""DatasetCache on real files and real threads: contents, bounds, hit rate, divergence, plan switches."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsd.access_stream import NodeStream
+from fsd.backend import Backend
+from fsd.belady import optimal_hit_rate
+from fsd.dataset_cache import DatasetCache
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Dataset:
+    """Random files in a tmp dir and a Backend over its dir fd."""
+
+    def __init__(self, root: Path, n: int, lo: int, hi: int, seed: int = 0) -> None:
+        rng = random.Random(seed)
+        root.mkdir()
+        self.paths = [f"c{i % 7}/f{i:05d}.bin" for i in range(n)]
+        self.data: list[bytes] = []
+        for p in self.paths:
+            (root / p).parent.mkdir(exist_ok=True)
+            b = rng.randbytes(rng.randint(lo, hi))
+            (root / p).write_bytes(b)
+            self.data.append(b)
+        self.fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        self.backend = Backend(self.fd, self.paths)
+        self.sizes = np.array([len(b) for b in self.data])
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@pytest.fixture
+def ds(tmp_path: Path) -> Iterator[Dataset]:
+    d = Dataset(tmp_path / "data", 240, 1000, 9000)
+    yield d
+    d.close()
+
+
+def epochs_stream(n: int, epochs: int, seed: int, window: int = 8, ranks: int = 2) -> NodeStream:
+    rng = np.random.default_rng(seed)
+    ids = np.concatenate([rng.permutation(n) for _ in range(epochs)]).astype(np.int64)
+    return NodeStream(file_ids=ids, epoch_bounds=np.arange(epochs + 1) * n, ranks=np.arange(len(ids)) % ranks,
+                      start_epoch=0, window=window)
+
+
+class BoundsMonitor:
+    """Samples the tier bounds on a thread for the duration of a test."""
+
+    def __init__(self, cache: DatasetCache) -> None:
+        self.cache = cache
+        self.violations: list[str] = []
+        self.samples = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        c = self.cache
+        while not self._stop.is_set():
+            with c._lock:
+                ram, staging = c.ram.used, c._staging_used
+                stored = sum(len(b) for b in c.ram.data.values()) + sum(len(s.data) for s in c._staged.values())
+            if ram > c.ram.capacity or staging > c.staging_cap or ram + staging > c.ram_bytes or stored > c.ram_bytes:
+                self.violations.append(f"ram {ram} staging {staging} stored {stored}")
+            if c.ssd.dir is not None:
+                on_disk = 0
+                with os.scandir(c.ssd.dir) as it:
+                    for e in it:
+                        try:
+                            on_disk += e.stat().st_size
+                        except FileNotFoundError:
+                            pass  # raced an unlink
+                if on_disk > c.ssd.capacity:
+                    self.violations.append(f"ssd {on_disk} > {c.ssd.capacity}")
+            self.samples += 1
+            time.sleep(0.002)
+
+    def __enter__(self) -> BoundsMonitor:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def read_whole(cache: DatasetCache, fid: int, size: int, chunk: int = 4096) -> bytes:
+    return b"".join(cache.read(fid, off, chunk) for off in range(0, max(size, 1), chunk))
+
+
+def test_unplanned_reads_are_exact(ds: Dataset) -> None:
+    cache = DatasetCache(ds.backend, ram_bytes=1 << 20)
+    cache.start()
+    try:
+        rng = random.Random(1)
+        for _ in range(300):
+            f = rng.randrange(len(ds.paths))
+            off = rng.randrange(0, len(ds.data[f]) + 100)
+            size = rng.randrange(1, 20000)
+            assert cache.read(f, off, size) == ds.data[f][off : off + size]
+        st = cache.stats()
+        assert st["divergence"]["state"] == "no_plan"
+        assert st["backend"]["demand_reads"] == 300
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("ssd", [False, True])
+def test_reader_following_the_plan_hits_near_optimal(ds: Dataset, tmp_path: Path, ssd: bool) -> None:
+    ram = int(ds.sizes.sum() * 0.4)
+    ssd_bytes = int(ds.sizes.sum() * 0.25) if ssd else 0
+    cache = DatasetCache(ds.backend, ram_bytes=ram, ssd_dir=tmp_path / "ssd" if ssd else None, ssd_bytes=ssd_bytes,
+                         fetch_threads=4)
+    stream = epochs_stream(len(ds.paths), 3, seed=5)
+    cache.set_plan(stream)
+    cache.start()
+    try:
+        with BoundsMonitor(cache) as mon:
+            for f in stream.file_ids.tolist():
+                assert read_whole(cache, f, len(ds.data[f])) == ds.data[f]
+                time.sleep(0.0003)  # the compute step
+        assert mon.violations == [] and mon.samples > 10
+        st = cache.stats()
+        cap = st["tiers"]["ram"]["capacity"] + st["tiers"]["ssd"]["capacity"]
+        opt = optimal_hit_rate(stream.file_ids, ds.sizes, cap)
+        hit = st["plan"]["hit_rate"]
+        assert st["plan"]["accesses"] == len(stream.file_ids)
+        assert opt > 0.15
+        assert hit >= 0.95 * opt, (hit, opt, st)
+        assert st["divergence"]["state"] == "synced" and st["divergence"]["divergences"] == 0
+        if ssd:
+            assert st["tiers"]["ssd"]["hits"] > 0
+        # prefetching worked: most reads did not have to go to the backend themselves
+        assert st["backend"]["demand_reads"] < 0.1 * st["backend"]["reads"]
+    finally:
+        cache.close()
+
+
+class ShortLead(DatasetCache):
+    """Reuse distances much longer than the lead, so every decision is Belady's, not the lead's."""
+
+    STAGING_FRACTION = 0.95
+    MAX_LEAD = 40
+
+
+def test_belady_evicts_the_furthest_used_not_lru(tmp_path: Path) -> None:
+    d = Dataset(tmp_path / "eq", 303, 1000, 1000)
+    try:
+        a, b, c = 300, 301, 302
+        fill = iter(range(300))  # used once: never worth keeping
+
+        def f(k: int) -> list[int]:
+            return [next(fill) for _ in range(k)]
+
+        # RAM tier holds two files. When C is consumed the residents are B (next used at ~203) and
+        # A (~305); C is next used at ~254: Belady evicts A, LRU would evict B (least recent).
+        ids = np.array([b, a] + f(100) + [c] + f(100) + [b] + f(50) + [c] + f(50) + [a])
+        cache = ShortLead(d.backend, ram_bytes=40000, fetch_threads=2)
+        assert cache.ram.capacity == 2000
+        cache.set_plan(NodeStream(ids, np.array([0, len(ids)]), np.zeros(len(ids), int), 0, 1))
+        cache.start()
+        try:
+            for i, x in enumerate(ids.tolist()):
+                assert cache.read(x, 0, 5000) == d.data[x]
+                time.sleep(0.0005)
+                if i == 150:
+                    time.sleep(0.1)
+                    assert sorted(cache.ram.data) == [b, c]
+            st = cache.stats()
+            assert st["plan"]["hits"] == 2 == round(optimal_hit_rate(ids, d.sizes, 2000) * len(ids))
+            assert st["tiers"]["ram"]["hits"] >= 2
+        finally:
+            cache.close()
+    finally:
+        d.close()
+
+
+def test_divergence_backs_off_and_resumes(ds: Dataset) -> None:
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 0.3), fetch_threads=2)
+    stream = epochs_stream(len(ds.paths), 2, seed=7, window=4)
+    cache.set_plan(stream)
+    cache.start()
+    try:
+        ids = stream.file_ids.tolist()
+        for f in ids[:60]:
+            assert cache.read(f, 0, 10000) == ds.data[f]
+        assert cache.stats()["divergence"]["state"] == "synced"
+        other = np.random.default_rng(99).permutation(len(ds.paths)).tolist()  # a different seed
+        for f in other[:40]:
+            assert cache.read(f, 0, 10000) == ds.data[f]
+        st = cache.stats()
+        assert st["divergence"]["state"] == "diverged" and st["divergence"]["divergences"] == 1
+        # backed off: the prefetcher stops fetching while the reads do not match
+        time.sleep(0.2)
+        reads0 = cache.stats()["backend"]["reads"]
+        for f in other[40:80]:
+            assert cache.read(f, 0, 10000) == ds.data[f]
+        time.sleep(0.2)
+        st = cache.stats()
+        assert st["backend"]["reads"] - reads0 <= 40  # only the reads themselves
+        assert st["tiers"]["staging"]["inflight"] == 0
+        # the reader comes back to the plan further on: picked up again
+        for f in ids[200:300]:
+            assert cache.read(f, 0, 10000) == ds.data[f]
+        st = cache.stats()
+        assert st["divergence"]["state"] == "synced" and st["divergence"]["resyncs"] == 1
+        assert st["plan"]["head"] > 300 - 8
+    finally:
+        cache.close()
+
+
+def test_plan_switch_mid_stream(ds: Dataset) -> None:
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 0.5), fetch_threads=4)
+    a = epochs_stream(len(ds.paths), 2, seed=1)
+    b = epochs_stream(len(ds.paths), 2, seed=2)
+    cache.set_plan(a)
+    cache.start()
+    try:
+        for f in a.file_ids[:150].tolist():
+            assert read_whole(cache, f, len(ds.data[f])) == ds.data[f]
+        cache.set_plan(b)  # e.g. resumed with another seed
+        for f in b.file_ids.tolist():
+            assert read_whole(cache, f, len(ds.data[f])) == ds.data[f]
+        st = cache.stats()
+        assert st["plan"]["gen"] == 2 and st["divergence"]["divergences"] == 0
+        assert st["plan"]["head"] == len(b.file_ids)
+        cache.clear_plan()
+        assert cache.stats()["divergence"]["state"] == "no_plan"
+        assert cache.read(3, 10, 100) == ds.data[3][10:110]
+    finally:
+        cache.close()
+
+
+def test_invalidate_drops_cached_copies(ds: Dataset, tmp_path: Path) -> None:
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum()), fetch_threads=2)
+    stream = epochs_stream(len(ds.paths), 3, seed=3)
+    cache.set_plan(stream)
+    cache.start()
+    try:
+        ids = stream.file_ids.tolist()
+        for f in ids[:300]:
+            assert cache.read(f, 0, 10000) == ds.data[f]
+        f = next(x for x in ids[300:] if x in cache.ram)
+        new = b"changed!" * 500
+        (tmp_path / "data" / ds.paths[f]).write_bytes(new)
+        cache.invalidate(f)
+        assert f not in cache.ram
+        assert cache.read(f, 0, 10000) == new
+        ds.data[f] = new
+        for g in ids[300:]:
+            assert cache.read(g, 0, 10000) == ds.data[g]
+    finally:
+        cache.close()
+
+
+def test_concurrent_readers_stress(ds: Dataset, tmp_path: Path) -> None:
+    """8 ranks x 2 workers reading their shards concurrently, with SSD, pushes and a foreign job."""
+    pushed: dict[int, int] = {}
+    push_lock = threading.Lock()
+    errors: list[str] = []
+
+    def push(fid: int, data: bytes) -> bool:
+        if not ds.data[fid].startswith(data) or len(data) % 4096 and len(data) != len(ds.data[fid]):
+            errors.append(f"push {fid}")  # a wrong byte, or a partial push that is not whole pages
+        with push_lock:
+            pushed[fid] = pushed.get(fid, 0) + 1
+        return fid % 5 != 0  # some inodes the kernel does not know yet
+
+    ram = int(ds.sizes.sum() * 0.3)
+    cache = DatasetCache(ds.backend, ram_bytes=ram, ssd_dir=tmp_path / "ssd", ssd_bytes=int(ds.sizes.sum() * 0.3),
+                         fetch_threads=8, push=push)
+    ranks = 8
+    n = len(ds.paths)
+    stream = epochs_stream(n, 3, seed=11, window=ranks * 4, ranks=ranks)
+    cache.set_plan(stream)
+    cache.start()
+
+    def worker(rank: int, w: int) -> None:
+        rng = random.Random(rank * 10 + w)
+        mine = [int(f) for i, f in enumerate(stream.file_ids) if i % ranks == rank][w::2]
+        for f in mine:
+            if rng.random() < 0.3:
+                cache.note_lookup(f)
+            off = rng.randrange(0, len(ds.data[f]))
+            if cache.read(f, off, 5000) != ds.data[f][off : off + 5000]:
+                errors.append(f"rank {rank} file {f}")
+
+    def foreign() -> None:
+        rng = random.Random(42)
+        for _ in range(200):
+            f = rng.randrange(n)
+            if cache.read(f, 0, 100) != ds.data[f][:100]:
+                errors.append(f"foreign {f}")
+
+    threads = [threading.Thread(target=worker, args=(r, w)) for r in range(ranks) for w in range(2)]
+    threads.append(threading.Thread(target=foreign))
+    try:
+        with BoundsMonitor(cache) as mon:
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 40
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+            assert not any(t.is_alive() for t in threads), "deadlock"
+        assert errors == []
+        assert mon.violations == []
+        st = cache.stats()
+        assert st["prefetch"]["pushes"] > 0 and st["prefetch"]["push_failures"] > 0
+        assert sum(pushed.values()) >= st["prefetch"]["pushes"]
+    finally:
+        cache.close()
+    assert not os.path.exists(st["tiers"]["ssd"]["dir"])
