@@ -1,0 +1,193 @@
+"""Progress tracking, lead control, prefetcher threads, and beacons against a simulated page cache."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsd.access_stream import NodeStream
+from fsd.belady import FileIndex
+from fsd.dataset_cache import DatasetCache
+from fsd.prefetch import DIV_THRESHOLD, DIVERGED, RESYNC_MATCHES, SYNCED, LeadControl, Prefetcher, ProgressTracker, Task
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def local_shuffle(ids: list[int], window: int, seed: int) -> list[int]:
+    """What DataLoader workers do: reorder within a bounded window."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(0, len(ids), window):
+        chunk = ids[k : k + window]
+        rng.shuffle(chunk)
+        out += chunk
+    return out
+
+
+def test_tracker_follows_reordered_reads() -> None:
+    ids = np.random.default_rng(0).permutation(500)
+    tr = ProgressTracker(FileIndex(ids), len(ids), window=8, beacon_every=0)
+    t = 0.0
+    for f in local_shuffle(ids.tolist(), 8, 1):
+        t += 0.001
+        assert tr.observe(f, t, max_jump=40) is not None
+    assert tr.state == SYNCED and tr.front == 499 and tr.mismatched == 0
+    assert 900 < tr.rate < 1100  # ~1000 entries/s
+
+
+def test_tracker_extrapolates_between_beacons_but_not_past_the_next() -> None:
+    ids = np.arange(1000)
+    tr = ProgressTracker(FileIndex(ids), 1000, window=4, beacon_every=16)
+    for k, f in enumerate(range(0, 160, 16)):  # beacons every 16 entries, 100 ms apart
+        tr.observe(f, k * 0.1, max_jump=100)
+    assert tr.front == 144 and 150 < tr.rate < 170
+    assert tr.est_pos(0.9) == 144
+    assert 150 < tr.est_pos(0.95) < 156  # ~8 entries later
+    assert tr.est_pos(10.0) == 144 + 16 + 4  # capped: it would have hit the next beacon
+
+
+def test_foreign_reads_do_not_count_against_the_plan() -> None:
+    ids = np.arange(100)
+    tr = ProgressTracker(FileIndex(ids), 100, window=4, beacon_every=0)
+    tr.observe(0, 0.0, 20)
+    for _ in range(3 * DIV_THRESHOLD):
+        assert tr.observe(100_000, 0.0, 20) is None
+    assert tr.state == SYNCED and tr.foreign == 3 * DIV_THRESHOLD
+
+
+def test_tracker_diverges_and_resyncs() -> None:
+    ids = np.concatenate([np.random.default_rng(s).permutation(300) for s in range(3)])
+    tr = ProgressTracker(FileIndex(ids), len(ids), window=4, beacon_every=0)
+    for f in ids[:50].tolist():
+        tr.observe(f, 0.0, 30)
+    other = np.random.default_rng(9).permutation(300).tolist()
+    for k, f in enumerate(other):
+        tr.observe(f, 0.0, 30)
+        if tr.state == DIVERGED:
+            break
+    assert tr.state == DIVERGED and tr.divergences == 1
+    assert k + 1 < 3 * DIV_THRESHOLD  # detected within a few dozen reads
+    # jumping to epoch 2 position 100: re-anchored after RESYNC_MATCHES consistent reads
+    got = [tr.observe(f, 1.0, 30) for f in ids[400 : 400 + RESYNC_MATCHES].tolist()]
+    assert tr.state == SYNCED and tr.resyncs == 1
+    assert got[:-1] == [None] * (RESYNC_MATCHES - 1) and got[-1] == 400 + RESYNC_MATCHES - 1
+    assert tr.observe(int(ids[410]), 1.1, 30) == 410
+
+
+def test_lead_control() -> None:
+    lc = LeadControl(1.0, min_lead=50, max_lead=5000)
+    assert lc.entries(0.0, 0.0) == 200  # unknown rate: 4 x min
+    assert lc.entries(1000.0, 0.0) == 1000
+    assert lc.entries(10.0, 0.0) == 50 and lc.entries(1e6, 0.0) == 5000
+    for k in range(20):
+        lc.stalled(1.0 + k * 0.2)
+    assert lc.boost == 8.0 and lc.entries(100.0, 5.0) == 800
+    for s in range(6, 40):
+        lc.entries(100.0, float(s))  # no stalls for a while: decays back
+    assert lc.boost == 1.0
+
+
+def test_prefetcher_runs_tasks_in_order_on_worker_threads() -> None:
+    pending = [Task("fetch", i, i, 1) for i in range(200)]
+    done: list[int] = []
+    names: set[str] = set()
+    cv = threading.Condition()
+
+    def schedule() -> list[Task]:
+        with cv:
+            out, pending[:] = pending[:7], pending[7:]
+            return out
+
+    def execute(t: Task) -> None:
+        with cv:
+            done.append(t.pos)
+            names.add(threading.current_thread().name)
+            cv.notify_all()
+
+    p = Prefetcher(schedule, execute, lambda s: time.sleep(s), fetch_threads=1)
+    p.start()
+    with cv:
+        assert cv.wait_for(lambda: len(done) == 200, timeout=10)
+    p.close()
+    assert done == list(range(200)) and names == {"fsd-fetch-0"}
+
+
+class PageCache:
+    """The kernel side: an LRU page cache of bounded bytes; inodes known after a lookup."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.files: OrderedDict[int, bytes] = OrderedDict()
+        self.known: set[int] = set()
+        self.lock = threading.Lock()
+        self.partial_pushes = 0
+
+    def push(self, fid: int, data: bytes) -> bool:
+        with self.lock:
+            if fid not in self.known:
+                return False
+            old = self.files.pop(fid, b"")
+            if len(data) < len(old):
+                data = old
+            self.files[fid] = data
+            self._trim()
+            return True
+
+    def _trim(self) -> None:
+        while sum(len(b) for b in self.files.values()) > self.capacity:
+            self.files.popitem(last=False)
+
+    def get(self, fid: int) -> bytes:
+        with self.lock:
+            b = self.files.get(fid, b"")
+            if b:
+                self.files.move_to_end(fid)
+            return b
+
+    def store(self, fid: int, data: bytes) -> None:
+        with self.lock:
+            self.files[fid] = data
+            self.files.move_to_end(fid)
+            self._trim()
+
+
+def test_beacons_track_a_reader_behind_the_page_cache(tmp_path: Path) -> None:
+    from test_dataset_cache import Dataset
+
+    ds = Dataset(tmp_path / "data", 300, 3000, 20000)
+    pc = PageCache(int(ds.sizes.sum() * 0.6))
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 0.5), fetch_threads=4, push=pc.push)
+    rng = np.random.default_rng(3)
+    ids = np.concatenate([rng.permutation(300) for _ in range(3)])
+    cache.set_plan(NodeStream(ids, np.arange(4) * 300, np.zeros(len(ids), int), 0, 4))
+    cache.start()
+    arrived = [0, 0, 0]
+    try:
+        for pos, f in enumerate(local_shuffle(ids.tolist(), 4, 0)):
+            if f not in pc.known:
+                pc.known.add(f)
+                cache.note_lookup(f)
+            have = pc.get(f)
+            want = ds.data[f]
+            if len(have) < len(want):
+                arrived[pos // 300] += 1
+                have += cache.read(f, len(have), len(want) - len(have))
+                pc.store(f, have)
+            assert have == want
+            time.sleep(0.0005)
+        st = cache.stats()
+    finally:
+        cache.close()
+    assert st["divergence"]["state"] == SYNCED and st["divergence"]["divergences"] == 0
+    assert st["divergence"]["front"] >= len(ids) - 16 - 8
+    beacons = 300 // DatasetCache.BEACON_EVERY
+    # later epochs: the reads that reach the daemon are about the beacons, not every file
+    for e in (1, 2):
+        assert 0.5 * beacons <= arrived[e] <= 0.35 * 300, arrived
+    assert st["prefetch"]["pushes"] > 500
