@@ -66,5 +66,10 @@ class InodeTable:
             if path is not None and self._by_path.get(path) == ino:
                 del self._by_path[path]
 
+    def items(self) -> list[tuple[int, bytes]]:
+        """Snapshot of (inode, path) for every inode the kernel holds, root excluded."""
+        with self._lock:
+            return [(ino, self._by_ino[ino]) for ino in self._lookups if ino in self._by_ino]
+
     def __len__(self) -> int:
         return len(self._by_ino)
