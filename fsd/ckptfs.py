@@ -86,7 +86,9 @@ class _Handle:
 class CheckpointOperations(pyfuse3.Operations):
     """Read-write checkpoint mount striped over *devices* with RAM write-back."""
 
-    enable_writeback_cache = False  # measured: see docs in the module report
+    # Kernel write-back cache: off by default (measured no gain, see tools/bench-ckpt --lever);
+    # FSD_CKPT_WRITEBACK_CACHE=1 turns it on for experiments.
+    enable_writeback_cache = os.environ.get("FSD_CKPT_WRITEBACK_CACHE", "0") == "1"
 
     def __init__(self, backing_fd: int, devices: list[Path], *, stripe_size: int = 8 << 20,
                  dirty_limit: int = 1 << 30, drain: bool = False, control: Any = None,
@@ -603,6 +605,10 @@ class CheckpointOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR)
         if node.error and node.fs.error is None and "device set" in node.error:
             raise pyfuse3.FUSEError(errno.EIO)
+        if flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY and node.fs.size:
+            # libfuse negotiates FUSE_ATOMIC_O_TRUNC: the kernel sends no setattr(size=0)
+            await self._begin_modify(node)
+            await self.wb.truncate(node.fs, 0)
         return self._open_handle(node, flags)
 
     @fuse_errors

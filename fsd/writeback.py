@@ -267,6 +267,7 @@ class WriteBack:
         self.io_limiter = trio.CapacityLimiter(4 * len(self.devices) + 4)
         self._token: trio.lowlevel.TrioToken | None = None
         self.lost_bytes = 0
+        self.loads = 0  # read-modify-write loads of flushed chunks
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -393,6 +394,8 @@ class WriteBack:
             need_load = f.on_device and not covers and valid > 0
             buf = await self._alloc(full_overwrite=need_load or (lo == 0 and hi == self.chunk_size))
             if need_load:
+                self.loads += 1
+                log.debug("load chunk %d of %s (size %d, write [%d,%d))", ci, f.label, f.size, lo, hi)
                 try:
                     await trio.to_thread.run_sync(self._load, f, ci, buf, limiter=self.io_limiter)
                 except OSError:
@@ -656,6 +659,7 @@ class WriteBack:
             "dirty_limit": self.dirty_limit,
             "writers_blocked": self._waiting_writers,
             "lost_bytes": self.lost_bytes,
+            "rmw_loads": self.loads,
             "devices": [
                 {
                     "index": d.index,

@@ -336,3 +336,16 @@ def test_drain_copies_finished_checkpoints_to_backing_dir(ck: Ckpt, mounter: Any
     assert list(st["drain"]["drained"]) == ["checkpoint-1/model.pt"]
     m.close()
     assert (ck.back / "checkpoint-1" / "model.pt").read_bytes() == data
+
+
+def test_overwrite_with_o_trunc_drops_the_old_tail(ck: Ckpt, mounter: Any) -> None:
+    m = mounter(ck.args(), ck.mnt)
+    p = ck.mnt / "model.pt"
+    p.write_bytes(os.urandom(3 * MiB))
+    _settled(m)
+    p.write_bytes(b"short")  # open(O_TRUNC) of an existing, published file
+    assert p.read_bytes() == b"short"
+    _settled(m)
+    m.close()
+    mounter(ck.args(), ck.mnt)
+    assert p.read_bytes() == b"short"
