@@ -36,6 +36,10 @@ Pushing
     Staging keeps a transient file until the reader is past its access (a
     beacon's last page and page-cache misses are served from it); a push that
     failed (kernel does not know the inode yet) is retried on ``note_lookup``.
+    A read at offset 0 of a file that was pushed whole for a pending access
+    means the kernel dropped pushed pages (memory pressure, ``drop_caches``):
+    the pushes between that position and the head are redone (at most every
+    100 ms; ``push_losses``/``repushes`` in ``stats()``).
 
 Correctness
     Bytes are keyed by file id and a per-file generation that ``invalidate``
@@ -134,6 +138,9 @@ class DatasetCache:
         self._pending: deque[tuple[int, int]] = deque()
         self._last_proc: dict[int, int] = {}
         self._push_pending: set[int] = set()
+        self._pushed: dict[int, int] = {}  # fid -> position of a complete push for a pending access
+        self._repush_from: int | None = None
+        self._last_repush = 0.0
         self._replan_pos = 0
         self._replanning = False
         self._lead = LeadControl(self.LEAD_S, 64, self.MAX_LEAD)
@@ -151,6 +158,8 @@ class DatasetCache:
         self.pushes = 0
         self.push_failures = 0
         self.overflow_drops = 0
+        self.push_losses = 0
+        self.repushes = 0
         self._closed = False
         self._prefetcher = Prefetcher(self._schedule, self._execute, self._wait, self.fetch_threads)
 
@@ -223,6 +232,8 @@ class DatasetCache:
         self._pending.clear()
         self._last_proc.clear()
         self._push_pending.clear()
+        self._pushed.clear()
+        self._repush_from = None
         for fid in list(self._staged):
             if fid not in self._ssd_writing:
                 self._drop_staged(fid)
@@ -234,6 +245,8 @@ class DatasetCache:
         with self._cond:
             q = self._observe(file_id, t0)
             planned = q is not None
+            if planned and off == 0 and file_id in self._pushed:
+                self._push_lost(q, t0)
             fetch = self._catch_up(q) if planned and self._plan is not None and q >= self._head else None
         waited = False
         if fetch is not None:
@@ -306,6 +319,14 @@ class DatasetCache:
                 self._size_sum -= int(self._sizes[file_id])
                 self._size_n -= 1
                 self._sizes[file_id] = -1
+
+    def _push_lost(self, q: int, now: float) -> None:
+        """A pushed file's read reached us: the kernel dropped pushed pages; re-push the lead (lock held)."""
+        self.push_losses += 1
+        if now - self._last_repush >= 0.1:
+            self._last_repush = now
+            self._repush_from = q + 1
+            self._cond.notify_all()
 
     def _account_stall(self, stalled: bool, t0: float) -> None:
         if not stalled:
@@ -389,6 +410,15 @@ class DatasetCache:
             if self._head < self._released:
                 self._head = self._released
             tasks: list[Task] = []
+            if self._repush_from is not None:
+                seen: set[int] = set()
+                for i in range(max(self._repush_from, self._released), self._head):
+                    fid = int(plan.ids[i])
+                    if fid in self._pushed and fid not in seen:
+                        seen.add(fid)
+                        tasks.append(Task("push", fid, i, plan.gen))
+                        self.repushes += 1
+                self._repush_from = None
             while self._head < target and len(tasks) < 64:
                 t = self._process(self._head)
                 if t == "blocked":
@@ -453,6 +483,7 @@ class DatasetCache:
                 continue
             del self._last_proc[fid]
             self._push_pending.discard(fid)
+            self._pushed.pop(fid, None)
             k = int(plan.nu[i])
             if k != NEVER and k < self._head:
                 k = plan.index.first_at_or_after(fid, self._head)
@@ -689,6 +720,8 @@ class DatasetCache:
         with self._lock:
             if ok:
                 self.pushes += 1
+                if not beacon and fid in self._last_proc:
+                    self._pushed[fid] = pos
             else:
                 self.push_failures += 1
             if not ok:
@@ -730,6 +763,8 @@ class DatasetCache:
                     "pushes": self.pushes,
                     "push_failures": self.push_failures,
                     "overflow_drops": self.overflow_drops,
+                    "push_losses": self.push_losses,
+                    "repushes": self.repushes,
                 },
                 "divergence": tr.stats() if tr is not None else {"state": "no_plan"},
                 "backend": {"bytes_read": self.backend_bytes, "reads": self.backend_reads,

@@ -191,3 +191,38 @@ def test_beacons_track_a_reader_behind_the_page_cache(tmp_path: Path) -> None:
     for e in (1, 2):
         assert 0.5 * beacons <= arrived[e] <= 0.35 * 300, arrived
     assert st["prefetch"]["pushes"] > 500
+
+
+def test_pushes_are_redone_when_the_kernel_drops_them(tmp_path: Path) -> None:
+    from test_dataset_cache import Dataset
+
+    ds = Dataset(tmp_path / "data", 300, 5000, 12000)
+    pc = PageCache(int(ds.sizes.sum() * 3))
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 1.5), fetch_threads=4, push=pc.push)
+    rng = np.random.default_rng(4)
+    ids = np.concatenate([rng.permutation(300) for _ in range(3)])
+    cache.set_plan(NodeStream(ids, np.arange(4) * 300, np.zeros(len(ids), int), 0, 1))
+    cache.start()
+    after_drop = 0
+    try:
+        for pos, f in enumerate(ids.tolist()):
+            if pos == 450:
+                time.sleep(0.2)
+                with pc.lock:
+                    pc.files.clear()  # echo 1 > drop_caches
+            if f not in pc.known:
+                pc.known.add(f)
+                cache.note_lookup(f)
+            have = pc.get(f)
+            if len(have) < len(ds.data[f]):
+                after_drop += pos >= 450
+                have += cache.read(f, len(have), len(ds.data[f]) - len(have))
+                pc.store(f, have)
+            assert have == ds.data[f]
+            time.sleep(0.001)
+        st = cache.stats()
+    finally:
+        cache.close()
+    assert st["prefetch"]["push_losses"] >= 1 and st["prefetch"]["repushes"] > 0
+    # without the re-push every file of the dropped lead would reach the daemon
+    assert after_drop <= 450 // DatasetCache.BEACON_EVERY + 40, (after_drop, st["prefetch"]["push_losses"], st["prefetch"]["repushes"], st["prefetch"]["pushes"])
