@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -71,7 +72,11 @@ def drop_caches() -> bool:
     """sync + drop the page cache (root only). Returns whether it was done."""
     if not is_root():
         return False
-    os.sync()
+    try:
+        # sync(2) blocks on every superblock; a hung FUSE mount anywhere would hang us too.
+        subprocess.run(["sync"], timeout=60, check=False)
+    except subprocess.TimeoutExpired:
+        log.warning("sync did not finish in 60 s (a hung mount?); dropping clean pages only")
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
     return True
@@ -125,7 +130,7 @@ def make_imagefolder(
             f.write(data)
         total += len(data)
     if fsync:
-        os.sync()
+        subprocess.run(["sync", "-f", str(root)], timeout=300, check=False)
     info = {"root": str(root), "files": n_files, "classes": n_classes, "bytes": total,
             "file_bytes": total // max(1, n_files), "shape": list(shape), "gen_s": round(now() - t0, 2)}
     log.info("dataset: %d files, %.1f MiB in %s (%.1f s)", n_files, total / 2**20, root, info["gen_s"])
@@ -160,6 +165,10 @@ class MemCgroup:
     def __init__(self, limit_bytes: int, tag: str | None = None) -> None:
         self.limit = int(limit_bytes)
         self.path = MEMCG_ROOT / f"fsd-bench-{tag or uuid.uuid4().hex[:8]}"
+        self.peak_rss = 0
+        self.peak_cache = 0
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
 
     def __enter__(self) -> "MemCgroup":
         self.open()
@@ -179,6 +188,15 @@ class MemCgroup:
             self.path.rmdir()
             raise
         log.info("memory cgroup %s limit %.0f MiB", self.path.name, self.limit / 2**20)
+        self._sampler = threading.Thread(target=self._sample, name=f"memcg-{self.path.name}", daemon=True)
+        self._sampler.start()
+
+    def _sample(self, interval: float = 0.1) -> None:
+        """Track peak anonymous (rss) and page-cache usage: max_usage alone cannot split them."""
+        while not self._stop.wait(interval):
+            s = self.stats(peaks=False)
+            self.peak_rss = max(self.peak_rss, s.get("total_rss", 0))
+            self.peak_cache = max(self.peak_cache, s.get("total_cache", 0))
 
     def wrap(self, cmd: Sequence[str]) -> list[str]:
         """``cmd`` prefixed so that it runs inside this cgroup from its first instruction."""
@@ -191,8 +209,8 @@ class MemCgroup:
         except OSError:
             return []
 
-    def stats(self) -> dict[str, int]:
-        """Peak usage, current usage, limit-hit count, and the cache/rss split."""
+    def stats(self, peaks: bool = True) -> dict[str, int]:
+        """Peak usage, current usage, limit-hit count, the cache/rss split (and sampled peaks)."""
         def rd(name: str) -> int:
             try:
                 return int((self.path / name).read_text().split()[0])
@@ -209,10 +227,16 @@ class MemCgroup:
         with contextlib.suppress(OSError):
             oom = dict(line.split() for line in (self.path / "memory.oom_control").read_text().splitlines())
             out["oom_kill"] = int(oom.get("oom_kill", 0))
+        if peaks:
+            out["peak_rss_sampled"] = self.peak_rss
+            out["peak_cache_sampled"] = self.peak_cache
         return out
 
     def close(self) -> None:
         """Kill remaining members (TERM, then KILL), empty and remove the cgroup."""
+        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.join()
         if not self.path.exists():
             return
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -271,7 +295,12 @@ def run_logged(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = 
 
 
 def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> list[int]:
-    """Wait for every process with one shared deadline; kill the rest on timeout."""
+    """Wait for every process with one shared deadline.
+
+    On timeout (or any exception) each process's *group* is killed (start them with
+    ``start_new_session=True`` so DataLoader workers go too) and reaped with a bound: a
+    process stuck in D state on a hung FUSE mount must not hang the caller as well.
+    """
     deadline = now() + timeout
     rcs: list[int] = []
     try:
@@ -280,9 +309,42 @@ def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> list[int
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
-                p.wait()
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=5)
     return rcs
+
+
+# --------------------------------------------------------------------------- FUSE
+
+
+def fuse_connection(path: Path | str) -> int | None:
+    """The ``/sys/fs/fuse/connections/<N>`` id of the FUSE mount at ``path``, or None."""
+    path = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            sep = parts.index("-")
+            if parts[4] == path and parts[sep + 1].startswith("fuse"):
+                return int(parts[2].split(":")[1])
+    return None
+
+
+def abort_fuse(conn: int) -> bool:
+    """Abort FUSE connection ``conn`` (pending requests fail with ENOTCONN; a hung daemon lets go).
+
+    Only for connections this process mounted: the id is what :func:`fuse_connection`
+    returned for our own mount point.
+    """
+    f = Path(f"/sys/fs/fuse/connections/{conn}/abort")
+    if not f.exists():
+        return False
+    log.warning("aborting FUSE connection %d", conn)
+    f.write_text("1\n")
+    return True
 
 
 def throughput_series(step_log: Sequence[tuple[float, int]], t0: float, bin_s: float = 1.0) -> tuple[list[float], list[float]]:

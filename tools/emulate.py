@@ -162,11 +162,17 @@ def load_state(d: Path | str) -> Emulation | None:
 
 
 def loops_for(backing: str) -> list[str]:
-    """Loop devices currently attached to ``backing`` (by path, as ``losetup -j`` reports)."""
-    if not os.path.exists(backing):
-        return []
-    p = _run(["losetup", "-j", backing, "-O", "NAME", "-n"], check=False)
-    return [line.strip() for line in p.stdout.splitlines() if line.strip()]
+    """Loop devices attached to ``backing``, from sysfs (also those only pending autoclear,
+    and those whose backing file was already deleted)."""
+    out = []
+    for f in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            name = f.read_text().strip()
+        except OSError:
+            continue
+        if name.removesuffix(" (deleted)") == backing:
+            out.append("/dev/" + f.parent.parent.name)
+    return sorted(out)
 
 
 def loop_backing(loop: str) -> str | None:
@@ -174,7 +180,7 @@ def loop_backing(loop: str) -> str | None:
     name = os.path.basename(loop)
     f = Path(f"/sys/block/{name}/loop/backing_file")
     try:
-        return f.read_text().strip()
+        return f.read_text().strip().removesuffix(" (deleted)")
     except OSError:
         return None
 
@@ -339,8 +345,24 @@ def down(dir: Path | str) -> list[str]:
     return problems
 
 
+def _mounts_under(path: str) -> list[str]:
+    """Mount points strictly below ``path`` (e.g. fsd FUSE mounts over our dirs), deepest first."""
+    prefix = os.path.realpath(path).rstrip("/") + "/"
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4].replace("\\040", " ")
+            if mp.startswith(prefix):
+                found.append(mp)
+    return sorted(found, key=len, reverse=True)
+
+
 def _down_one(dev: Device) -> list[str]:
     problems: list[str] = []
+    for sub in _mounts_under(dev.mount):
+        log.warning("unmounting %s left mounted below %s", sub, dev.mount)
+        if _run(["umount", sub], check=False).returncode != 0:
+            _run(["umount", "-l", sub], check=False)
     if _is_mount(dev.mount):
         subprocess.run(["sync", "-f", dev.mount], timeout=600, check=False)
         p = _run(["umount", dev.mount], check=False)
