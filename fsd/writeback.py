@@ -43,10 +43,13 @@ MiB = 1 << 20
 class Chunk:
     """One page-aligned RAM buffer holding file bytes [index*chunk_size, +chunk_size)."""
 
-    __slots__ = ("buf", "gen", "inflight", "sealed")
+    __slots__ = ("buf", "gen", "inflight", "sealed", "hwm")
 
-    def __init__(self, buf: mmap.mmap) -> None:
+    def __init__(self, buf: mmap.mmap, hwm: int = 0) -> None:
         self.buf = buf
+        # bytes at or past hwm are stale pool garbage and mean zero: a reused buffer is
+        # zeroed lazily, only where a write leaves a gap or a flush needs alignment
+        self.hwm = hwm
         self.gen = 0  # bumped by every modification
         self.inflight = False
         self.sealed = False  # the chunk's last byte has been written
@@ -314,7 +317,7 @@ class WriteBack:
             raise OSError(f.error, f"earlier write-back of {f.label} failed: {os.strerror(f.error)}")
 
     # -- memory ------------------------------------------------------------------------
-    async def _alloc(self, full_overwrite: bool) -> mmap.mmap:
+    async def _alloc(self) -> mmap.mmap:
         while not self._pool and self.ram_bytes + self.chunk_size > self.dirty_limit:
             self._waiting_writers += 1
             try:
@@ -323,10 +326,7 @@ class WriteBack:
             finally:
                 self._waiting_writers -= 1
         if self._pool:
-            buf = self._pool.pop()
-            if not full_overwrite:
-                buf[:] = bytes(self.chunk_size)
-            return buf
+            return self._pool.pop()
         buf = mmap.mmap(-1, self.chunk_size)
         self.ram_bytes += self.chunk_size
         self.peak_ram_bytes = max(self.peak_ram_bytes, self.ram_bytes)
@@ -363,7 +363,11 @@ class WriteBack:
             lo = max(off, base) - base
             hi = min(off + n, base + c) - base
             ch = await self._get_chunk(f, ci, lo, hi)
+            if lo > ch.hwm:
+                ch.buf[ch.hwm:lo] = bytes(lo - ch.hwm)
             ch.buf[lo:hi] = src[pos:pos + hi - lo]
+            if hi > ch.hwm:
+                ch.hwm = hi
             pos += hi - lo
             ch.gen += 1
             if hi == c:
@@ -392,7 +396,7 @@ class WriteBack:
             valid = self._valid_len(f, ci)
             covers = lo == 0 and hi >= valid
             need_load = f.on_device and not covers and valid > 0
-            buf = await self._alloc(full_overwrite=need_load or (lo == 0 and hi == self.chunk_size))
+            buf = await self._alloc()
             if need_load:
                 self.loads += 1
                 log.debug("load chunk %d of %s (size %d, write [%d,%d))", ci, f.label, f.size, lo, hi)
@@ -401,7 +405,7 @@ class WriteBack:
                 except OSError:
                     self._free(Chunk(buf))
                     raise
-            ch = Chunk(buf)
+            ch = Chunk(buf, self.chunk_size if need_load else 0)
             f.chunks[ci] = ch
             return ch
         finally:
@@ -435,7 +439,9 @@ class WriteBack:
             hi = min(end, base + c)
             ch = f.chunks.get(ci)
             if ch is not None:
-                view[lo - off:hi - off] = ch.buf[lo - base:hi - base]
+                top = min(hi, base + ch.hwm)  # past hwm: zeros (out starts zeroed)
+                if top > lo:
+                    view[lo - off:top - off] = ch.buf[lo - base:top - base]
             elif missing and missing[-1][0] + missing[-1][1] == lo:
                 missing[-1] = (missing[-1][0], missing[-1][1] + hi - lo)
             else:
@@ -471,7 +477,10 @@ class WriteBack:
             self._free(f.chunks.pop(ci))
         boundary = f.chunks.get(size // c)
         if boundary is not None and size % c:
-            boundary.buf[size % c:] = bytes(c - size % c)
+            cut = size % c
+            if boundary.hwm > cut:
+                boundary.buf[cut:boundary.hwm] = bytes(boundary.hwm - cut)
+                boundary.hwm = cut
             boundary.gen += 1
         f.size = size
         if f.on_device:
@@ -531,6 +540,9 @@ class WriteBack:
                 self._free(f.chunks.pop(ci))
                 continue
             length = align_up(valid)
+            if ch.hwm < length:  # O_DIRECT writes whole blocks: make the tail real zeros
+                ch.buf[ch.hwm:length] = bytes(length - ch.hwm)
+                ch.hwm = length
             views.append(memoryview(ch.buf)[:length])
             ch.inflight = True
             chunks.append((ci, ch, ch.gen))
