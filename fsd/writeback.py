@@ -118,7 +118,9 @@ class DeviceIO:
         self._lock = threading.Lock()
         self.direct = True
         self.bytes_written = 0
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # wall time with at least one write in flight
+        self._active = 0
+        self._busy_since = 0.0
         self.writes = 0
         self.errors = 0
         self.last_error: str | None = None
@@ -188,8 +190,11 @@ class DeviceIO:
             view[n:] = bytes(len(view) - n)
 
     def fdatasync(self, file_id: int) -> None:
-        """Make *file_id*'s data on this device durable."""
-        os.fdatasync(self.wfd(file_id))
+        """Make *file_id*'s data on this device durable (no-op if nothing was written here)."""
+        with self._lock:
+            fd = self._wfds.get(file_id)
+        if fd is not None:
+            os.fdatasync(fd)
 
     def truncate(self, file_id: int, length: int) -> None:
         """Cut *file_id*'s data file on this device to *length* bytes (if it exists)."""
@@ -213,7 +218,10 @@ class DeviceIO:
                 return
             job, done = item
             err: BaseException | None = None
-            t0 = time.perf_counter()
+            with self._lock:
+                if self._active == 0:
+                    self._busy_since = time.perf_counter()
+                self._active += 1
             try:
                 _pwritev_all(self.wfd(job.file_id), job.views, job.local_off)
             except OSError as e:
@@ -221,11 +229,12 @@ class DeviceIO:
             except BaseException as e:  # a bug: report as EIO, keep the worker alive
                 log.exception("flusher thread of %s failed", self.root)
                 err = OSError(errno.EIO, repr(e))
-            dt = time.perf_counter() - t0
             for v in job.views:
                 v.release()
-            # Counters are only read for status; a torn read of a float is harmless.
-            self.busy_s += dt
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    self.busy_s += time.perf_counter() - self._busy_since
             if err is None:
                 self.bytes_written += job.nbytes
                 self.writes += 1
