@@ -43,6 +43,8 @@ def _build_parser() -> argparse.ArgumentParser:
     m.add_argument("--ssd-size", type=parse_size, default=0, metavar="SIZE", help="SSD tier bound (data)")
     m.add_argument("--fetch-threads", type=int, default=8, metavar="N", help="parallel backend reads (data)")
     m.add_argument("--attr-timeout", type=float, default=300.0, metavar="S", help="kernel attribute/entry cache time")
+    m.add_argument("--revalidate-interval", type=float, default=10.0, metavar="S",
+                   help="seconds between sweeps that detect changed backend files (data)")
     m.add_argument("--devices", metavar="D1,D2,...", help="NVMe directories to stripe over (checkpoints)")
     m.add_argument("--stripe-size", type=parse_size, default=parse_size("8M"), metavar="SIZE")
     m.add_argument("--dirty-limit", type=parse_size, default=parse_size("2G"), metavar="SIZE",
@@ -93,6 +95,7 @@ def _make_ops(args: argparse.Namespace, root_fd: int) -> Any:
             ssd_bytes=args.ssd_size,
             fetch_threads=args.fetch_threads,
             attr_timeout=args.attr_timeout,
+            revalidate_interval=args.revalidate_interval,
         )
     from .ckptfs import CheckpointOperations
     from .control import ControlDir

@@ -28,6 +28,7 @@ from .control import CONTROL_INODE, ControlDir, Counters
 from .errors import fuse_errors
 from .inodes import InodeTable
 from .planner import Planner
+from .revalidate import Revalidator, dir_fd_stat
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class DataOperations(pyfuse3.Operations):
         ssd_bytes: int = 0,
         fetch_threads: int = 8,
         attr_timeout: float = 300.0,
+        revalidate_interval: float = 10.0,
         no_open: bool = NO_OPEN,
     ) -> None:
         super().__init__()
@@ -72,6 +74,8 @@ class DataOperations(pyfuse3.Operations):
             push=self._push,
         )
         self.control = ControlDir(self.status, self.planner.apply, counters=self.counters)
+        self.revalidator = Revalidator(self.inodes.items, dir_fd_stat(root_fd), self._backend_changed,
+                                       interval=revalidate_interval)
         self.fuse_options = ["fsname=fsd-data", "subtype=fsd", "default_permissions"]
         self._dirs: dict[int, _DirHandle] = {}
         self._next_dir_fh = 1
@@ -80,9 +84,11 @@ class DataOperations(pyfuse3.Operations):
     async def start(self, nursery: trio.Nursery) -> None:
         """Start background work (control expiry)."""
         nursery.start_soon(self.control.expire_loop)
+        self.revalidator.start()
 
     async def stop(self) -> None:
-        """Stop prefetching and close the tiers."""
+        """Stop revalidation and prefetching, close the tiers."""
+        await trio.to_thread.run_sync(self.revalidator.stop)
         await trio.to_thread.run_sync(self.planner.close)
 
     def status(self) -> dict[str, Any]:
@@ -91,6 +97,7 @@ class DataOperations(pyfuse3.Operations):
             "mount": "data",
             "no_open_fast_path": self.no_open,
             "inodes": len(self.inodes),
+            "revalidate": self.revalidator.status(),
             **self.planner.status(),
         }
 
@@ -130,6 +137,26 @@ class DataOperations(pyfuse3.Operations):
             return False
         return True
 
+    def _observe(self, ino: int, path: bytes, st: os.stat_result) -> None:
+        """Tell the revalidator what the kernel was just told about *path*."""
+        kind = self.revalidator.observe(ino, path, (st.st_ino, st.st_size, st.st_mtime_ns))
+        if kind is not None:
+            self.planner.invalidate(path)  # the kernel drops its pages itself (auto_inval_data)
+
+    def _backend_changed(self, ino: int, path: bytes, kind: str) -> None:
+        """Revalidator callback (worker thread): drop every cached copy of *path*."""
+        log.info("backend %s %s: invalidating", kind, os.fsdecode(path))
+        self.planner.invalidate(path)
+        try:
+            pyfuse3.invalidate_inode(ino)
+            if kind == "vanished":
+                parent, _, name = path.rpartition(b"/")
+                parent_ino = self.inodes.get(parent)
+                if parent_ino is not None:
+                    pyfuse3.invalidate_entry(parent_ino, name)
+        except OSError as e:  # ENOENT: the kernel already forgot it
+            log.debug("invalidate %s: %s", os.fsdecode(path), e)
+
     # -- metadata ------------------------------------------------------------
     @fuse_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
@@ -142,20 +169,23 @@ class DataOperations(pyfuse3.Operations):
         path = _join(self.inodes.path(parent_inode), name)
         st = await self._thread(self._lstat, path)
         ino = self.inodes.ref(path)
+        self._observe(ino, path, st)
         self.planner.note_lookup(path)
         return self._attrs(ino, st)
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         for ino, n in inode_list:
-            if not self.control.owns(ino):
-                self.inodes.forget(ino, n)
+            if not self.control.owns(ino) and self.inodes.forget(ino, n):
+                self.revalidator.forget(ino)
 
     @fuse_errors
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
         self.counters.op("getattr")
         if self.control.owns(inode):
             return self.control.getattr(inode)
-        st = await self._thread(self._lstat, self.inodes.path(inode))
+        path = self.inodes.path(inode)
+        st = await self._thread(self._lstat, path)
+        self._observe(inode, path, st)
         return self._attrs(inode, st)
 
     @fuse_errors

@@ -54,17 +54,18 @@ class InodeTable:
                 self._lookups[ino] = self._lookups.get(ino, 0) + 1
             return ino
 
-    def forget(self, ino: int, nlookup: int) -> None:
-        """Drop *nlookup* kernel lookups; forget the inode at zero."""
+    def forget(self, ino: int, nlookup: int) -> bool:
+        """Drop *nlookup* kernel lookups; forget the inode at zero (returns True then)."""
         with self._lock:
             left = self._lookups.get(ino, 0) - nlookup
             if left > 0:
                 self._lookups[ino] = left
-                return
+                return False
             self._lookups.pop(ino, None)
             path = self._by_ino.pop(ino, None)
             if path is not None and self._by_path.get(path) == ino:
                 del self._by_path[path]
+            return True
 
     def items(self) -> list[tuple[int, bytes]]:
         """Snapshot of (inode, path) for every inode the kernel holds, root excluded."""

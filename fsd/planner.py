@@ -116,6 +116,14 @@ class Planner:
             if fid is not None:
                 active.cache.note_lookup(fid)
 
+    def invalidate(self, path: bytes) -> None:
+        """The backend file at *path* changed or vanished: drop tier copies."""
+        active = self._active
+        if active is not None:
+            fid = active.ids.get(path)
+            if fid is not None:
+                active.cache.invalidate(fid)
+
     def status(self) -> dict[str, Any]:
         """Plan and tier status for ``.fsd/status``."""
         active = self._active
