@@ -41,6 +41,16 @@ Pushing
     the pushes between that position and the head are redone (at most every
     100 ms; ``push_losses``/``repushes`` in ``stats()``).
 
+Deadlocks
+    ``notify_store`` locks the page-cache pages it fills; a kernel readahead
+    holds those locks until its FUSE READ is answered. So the thread that
+    answers a READ never pushes (its inline fetch does not push), never waits
+    for a push, and never waits for a fetch that has not started: it claims a
+    queued fetch and runs it itself, so a READ cannot end up behind worker
+    threads that are blocked in ``notify_store`` on pages that READ holds.
+    (Measured: pushing from the READ thread hung the mount in
+    ``__filemap_get_folio``.)
+
 Correctness
     Bytes are keyed by file id and a per-file generation that ``invalidate``
     bumps; a fetch that started before an invalidation is discarded. Plans
@@ -84,6 +94,8 @@ class _Inflight:
     reserved: int
     gen: int
     event: threading.Event = field(default_factory=threading.Event)
+    started: bool = False  # a thread has claimed the fetch (worker, or a reader that needs it now)
+    task: Task | None = None
 
 
 @dataclass
@@ -201,7 +213,7 @@ class DatasetCache:
             self._placement = placement
             self._reset_position(0)
             beacon = self.BEACON_EVERY if self.push is not None else 0
-            self._tracker = ProgressTracker(index, len(ids), window, beacon)
+            self._tracker = ProgressTracker(index, len(ids), window, beacon, np.asarray(stream.ranks))
             self._lead = LeadControl(self.LEAD_S, 2 * window + 4 * self.fetch_threads + beacon + 16, self.MAX_LEAD)
             for fid, _ in self._belady.items():
                 k = int(first[fid])
@@ -250,10 +262,11 @@ class DatasetCache:
             fetch = self._catch_up(q) if planned and self._plan is not None and q >= self._head else None
         waited = False
         if fetch is not None:
-            self._run_fetch(fetch)  # the reader outran the prefetcher: fetch its access inline
+            self._run_fetch(fetch, may_push=False)  # the reader outran the prefetcher: fetch its access inline
             waited = True
         for _ in range(3):
             e = inf = None
+            claimed: Task | None = None
             with self._lock:
                 d = self.ram.get(file_id)
                 if d is not None:
@@ -266,6 +279,13 @@ class DatasetCache:
                     else:
                         e = self.ssd.get(file_id)
                         inf = self._inflight.get(file_id) if e is None else None
+                        if inf is not None and not inf.started:
+                            inf.started = True  # queued, not begun: do it here rather than wait in line
+                            claimed, inf = inf.task, None
+            if claimed is not None:
+                self._run_fetch(claimed, may_push=False)
+                waited = True
+                continue
             if d is not None:
                 self._account_stall(planned and waited, t0)
                 return d[off : off + size]
@@ -372,7 +392,13 @@ class DatasetCache:
         while self._head <= q:
             t = self._process(self._head, force=self._head == q)
             if t == "blocked":
-                self._head = q  # no room to prefetch the ones in between: the reader reads them itself
+                # no room to prefetch the ones in between: their readers read them themselves
+                for i in range(self._head, q):
+                    self.plan_accesses += 1
+                    self.plan_skipped += 1
+                    if self._resident(int(plan.ids[i])):
+                        self.plan_hits += 1
+                self._head = q
                 continue
             self._head += 1
             if isinstance(t, Task):
@@ -381,6 +407,8 @@ class DatasetCache:
         for t in tasks:
             if t.kind == "fetch" and t.pos == q:
                 inline = t
+                assert isinstance(t.ref, _Inflight)
+                t.ref.started = True
             else:
                 self._prefetcher.submit(t)
         return inline
@@ -402,7 +430,7 @@ class DatasetCache:
             if self._closed or plan is None or tr is None or tr.state != SYNCED:
                 return []
             now = time.monotonic()
-            self._retire(max(0, tr.front - 2 * plan.window))
+            self._retire(max(0, tr.trail - 2 * plan.window))
             est = tr.est_pos(now)
             lead = self._lead.entries(tr.rate, now)
             self._lead_target = lead
@@ -464,7 +492,8 @@ class DatasetCache:
         self._staging_used += est
         inf = _Inflight(est, self._gen.get(fid, 0))
         self._inflight[fid] = inf
-        return Task("fetch", fid, i, plan.gen, est, inf)
+        inf.task = Task("fetch", fid, i, plan.gen, est, inf)
+        return inf.task
 
     def _note_pending(self, i: int, fid: int) -> None:
         self._last_proc[fid] = i
@@ -581,6 +610,12 @@ class DatasetCache:
     # ------------------------------------------------------------------ tasks (worker threads)
     def _execute(self, t: Task) -> None:
         if t.kind == "fetch":
+            with self._lock:
+                inf = t.ref
+                assert isinstance(inf, _Inflight)
+                if inf.started:
+                    return  # a reader took it over
+                inf.started = True
             self._run_fetch(t)
         elif t.kind == "ssd":
             path, data, gen = t.ref  # type: ignore[misc]
@@ -603,7 +638,8 @@ class DatasetCache:
             parts.append(b)
             off += len(b)
 
-    def _run_fetch(self, t: Task) -> None:
+    def _run_fetch(self, t: Task, may_push: bool = True) -> None:
+        """Fetch, then stage/admit and push (*may_push* False on a reader's thread: see ``Deadlocks``)."""
         fid = t.fid
         try:
             data = self._fetch_bytes(fid, t.reserved)
@@ -657,7 +693,7 @@ class DatasetCache:
                     self._staging_used += size
                 elif ssd_path is None:
                     self.overflow_drops += 1
-            push = self.push is not None and plan is not None and last is not None
+            push = may_push and self.push is not None and plan is not None and last is not None
             push_pos = last if last is not None else t.pos
             inf.event.set()
             self._cond.notify_all()

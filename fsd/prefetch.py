@@ -17,10 +17,10 @@ Where is the reader?
       window`` (the reader cannot pass the next beacon unnoticed).
 
 Matching
-    A read of file *f* matches if *f*'s first predicted access at or after
-    ``front - 2*window`` lies within ``max_jump`` of the front (``front`` =
-    furthest matched position; ``max_jump`` = current lead + 2*window +
-    beacon_every). Files the plan never mentions are *foreign* (another job,
+    One front per rank (ranks drift apart). A read of file *f* matches the
+    first predicted access *q* of *f* at or after ``trail - 2*window`` whose
+    rank's front is at most ``2*window`` past *q* and at most ``max_jump``
+    before it (``max_jump`` = current lead + 2*window + beacon_every). Files the plan never mentions are *foreign* (another job,
     ``ls``): served, counted, not held against the plan.
 
 Divergence and back-off
@@ -57,6 +57,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from fsd.belady import NEVER, FileIndex
 
 log = logging.getLogger(__name__)
@@ -82,15 +84,32 @@ class Task:
 
 
 class ProgressTracker:
-    """Estimates the reader's position in the stream; not thread-safe (cache lock)."""
+    """Estimates the readers' positions in the stream; not thread-safe (cache lock).
 
-    def __init__(self, index: FileIndex, n: int, window: int, beacon_every: int) -> None:
+    Ranks of a node drift apart (separate processes, each with its own
+    DataLoader), so the tracker keeps one front per rank of the stream
+    (``ranks[i]``) without knowing which rank sent a read: a read of *f* is
+    matched to the first predicted access of *f* near the front of *that
+    access's* rank. ``front`` is the leading rank's front (extrapolation,
+    lead), ``trail`` the slowest observed rank's (what may be released).
+    """
+
+    def __init__(self, index: FileIndex, n: int, window: int, beacon_every: int,
+                 ranks: np.ndarray | None = None) -> None:
         self.index = index
         self.n = n
         self.window = max(1, int(window))
         self.beacon_every = beacon_every  # 0: no beacons (every read arrives)
+        if ranks is not None and len(ranks) == n and n:
+            _, dense = np.unique(np.asarray(ranks), return_inverse=True)
+            self.rank_of: np.ndarray | None = dense.astype(np.int32)
+            self.fronts = [-1] * (int(dense.max()) + 1)
+        else:
+            self.rank_of = None
+            self.fronts = [-1]
         self.state = SYNCED
-        self.front = -1  # furthest matched position
+        self.front = -1  # furthest matched position (leading rank)
+        self.trail = -1  # front of the slowest rank seen so far
         self.t_front = 0.0
         self.rate = 0.0  # entries / s
         self._rate_pos = -1
@@ -110,11 +129,38 @@ class ProgressTracker:
         return self.window + (self.beacon_every or 0)
 
     def est_pos(self, now: float) -> float:
-        """Extrapolated reader position (entries consumed)."""
+        """Extrapolated position of the leading reader (entries consumed)."""
         base = max(self.front, 0)
         if self.rate <= 0 or self.front < 0:
             return float(base)
         return min(base + self.rate * max(0.0, now - self.t_front), float(base + self.slack))
+
+    def _rank(self, q: int) -> int:
+        return int(self.rank_of[q]) if self.rank_of is not None else 0
+
+    def _match(self, fid: int, max_jump: int) -> int:
+        """Position of the access a read of *fid* is, or ``NEVER``.
+
+        Among the predicted accesses of *fid* that their rank has not passed
+        (by more than ``2*window``) and that lie at most *max_jump* beyond that
+        rank's front (position 0 for a rank not seen yet), the one closest to
+        its rank's front: ranks drift apart, so the same file may be due soon
+        for one rank and later for another.
+        """
+        w2 = 2 * self.window
+        p = self.index.positions(fid)
+        lo = 0 if min(self.fronts) < 0 else max(0, self.trail - w2)
+        k = int(np.searchsorted(p, lo, side="left"))
+        limit = max(self.front, 0) + max_jump
+        best, best_d = int(NEVER), None
+        for q in p[k : k + 64].tolist():
+            if q > limit:
+                break
+            fr = max(self.fronts[self._rank(q)], 0)
+            d = q - fr
+            if -w2 <= d <= max_jump and (best_d is None or abs(d) < best_d):
+                best, best_d = q, abs(d)
+        return best
 
     def observe(self, fid: int, now: float, max_jump: int) -> int | None:
         """Match a read/lookup of *fid*; returns its stream position or None."""
@@ -123,9 +169,8 @@ class ProgressTracker:
             return None
         if self.state == DIVERGED:
             return self._resync(fid, now)
-        lo = max(0, self.front - 2 * self.window)
-        q = self.index.first_at_or_after(fid, lo)
-        ok = q != NEVER and q <= max(self.front, 0) + max_jump
+        q = self._match(fid, max_jump)
+        ok = q != NEVER
         self.recent.append(ok)
         if ok:
             self.matched += 1
@@ -141,6 +186,10 @@ class ProgressTracker:
         return None
 
     def _advance(self, q: int, now: float) -> None:
+        r = self._rank(q)
+        if q > self.fronts[r]:
+            self.fronts[r] = q
+            self.trail = min(f for f in self.fronts if f >= 0)
         if q <= self.front:
             return
         self.front = q
@@ -165,9 +214,11 @@ class ProgressTracker:
                     self.state = SYNCED
                     self.resyncs += 1
                     self.recent.clear()
-                    self.front = -1
-                    self._rate_pos = -1
-                    self._advance(self._cand, now)
+                    # every rank is taken to be where the consistent run is
+                    self.front = self.trail = self._cand
+                    self.fronts = [self._cand] * len(self.fronts)
+                    self.t_front = now
+                    self._rate_pos, self._rate_t = self._cand, now
                     log.warning("reads match the plan again at position %d; prefetch resumed", self._cand)
                     return q
                 return None
@@ -181,6 +232,8 @@ class ProgressTracker:
         return {
             "state": self.state,
             "front": self.front,
+            "trail": self.trail,
+            "rank_fronts": list(self.fronts)[:64],
             "rate_entries_s": round(self.rate, 1),
             "matched": self.matched,
             "mismatched": self.mismatched,
