@@ -462,15 +462,14 @@ def _wait_status(m, pred, timeout: float) -> dict:
 
 @pytest.mark.mount
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=False, reason="backend revalidation is not wired into datafs yet "
-                   "(no 'revalidate' section in .fsd/status)")
 def test_backend_change_served_fresh_or_reported(tmp_path: Path, mounter) -> None:
     """A backend file rewritten/replaced/deleted under a mounted view: fresh bytes or ENOENT, never stale."""
     src = tmp_path / "src"
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     expect = _make_dataset(src, per_class=10)
-    m = mounter(["--data", src, "--at", mnt, "--ram-cache", "2M", "--attr-timeout", "300"], mnt)
+    m = mounter(["--data", src, "--at", mnt, "--ram-cache", "2M", "--attr-timeout", "300",
+                 "--revalidate-interval", "1"], mnt)
     m.control({"seed": 1, "epochs": 2, "sampler": "sequential"})
     paths = list(expect)
     with HangGuard(mnt, 60):
@@ -510,7 +509,7 @@ def test_backend_change_never_stale_without_notice(tmp_path: Path, mounter) -> N
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     expect = _make_dataset(src, n_classes=2, per_class=5)
-    m = mounter(["--data", src, "--at", mnt, "--attr-timeout", "300"], mnt)
+    m = mounter(["--data", src, "--at", mnt, "--attr-timeout", "300", "--revalidate-interval", "1"], mnt)
     m.control({"seed": 1, "epochs": 1, "sampler": "sequential"})
     rel = next(r for r, d in expect.items() if len(d) > 100)
     assert _read(mnt / rel) == expect[rel]
