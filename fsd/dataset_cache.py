@@ -34,7 +34,8 @@ Pushing
     With a ``push`` callable every prefetched access is pushed into the kernel
     page cache (beacons without their last page, see :mod:`fsd.prefetch`).
     Staging keeps a transient file until the reader is past its access (a
-    beacon's last page and page-cache misses are served from it); a push that
+    beacon's last page and page-cache misses are served from it), which also
+    bounds how far ahead pushes go (the page cache is not ours to size); a push that
     failed (kernel does not know the inode yet) is retried on ``note_lookup``.
     A read at offset 0 of a file that was pushed whole for a pending access
     means the kernel dropped pushed pages (memory pressure, ``drop_caches``):
@@ -304,6 +305,10 @@ class DatasetCache:
                 waited = True
                 continue
             break
+        if planned and off == 0 and not waited:
+            data = self._demand_fetch(file_id, q)  # planned but not prefetched: keep it if Belady says so
+            self._account_stall(True, t0)
+            return data[off : off + size]
         out = self.backend.pread(file_id, off, size)
         with self._lock:
             self.ram.misses += 1
@@ -313,6 +318,36 @@ class DatasetCache:
             self.demand_reads += 1
         self._account_stall(planned, t0)
         return out
+
+    def _demand_fetch(self, fid: int, q: int) -> bytes:
+        """Whole-file backend read for planned access *q* the prefetcher skipped; admitted by Belady."""
+        with self._lock:
+            gen = self._gen.get(fid, 0)
+        data = self.backend.read_file(fid)
+        ssd_path = None
+        with self._lock:
+            self.backend_bytes += len(data)
+            self.backend_reads += 1
+            self.demand_reads += 1
+            plan = self._plan
+            busy = (self._resident(fid) or fid in self._staged or fid in self._inflight or fid in self._ssd_writing)
+            if plan is not None and not busy and gen == self._gen.get(fid, 0) and not self._closed:
+                if self._sizes[fid] < 0:
+                    self._size_sum += len(data)
+                    self._size_n += 1
+                self._sizes[fid] = len(data)
+                nu = plan.index.first_at_or_after(fid, q + 1)
+                tier = self._admit(fid, len(data), nu)
+                if tier == RAM:
+                    self.ram.put(fid, data)
+                    self._belady.set(fid, self._key(fid))
+                elif tier == SSD:
+                    ssd_path = self.ssd.reserve(fid, len(data))
+                    if ssd_path is not None:
+                        self._ssd_writing.add(fid)
+        if ssd_path is not None:
+            self._write_ssd(fid, ssd_path, data, gen)
+        return data
 
     def note_lookup(self, file_id: int) -> None:
         """The kernel looked *file_id* up: a progress hint, and the moment a failed push can succeed."""
@@ -344,6 +379,7 @@ class DatasetCache:
         """A pushed file's read reached us: the kernel dropped pushed pages; re-push the lead (lock held)."""
         self.push_losses += 1
         if now - self._last_repush >= 0.1:
+            self._lead.lost(self._head - q, now)
             self._last_repush = now
             self._repush_from = q + 1
             self._cond.notify_all()
@@ -440,7 +476,8 @@ class DatasetCache:
             tasks: list[Task] = []
             if self._repush_from is not None:
                 seen: set[int] = set()
-                for i in range(max(self._repush_from, self._released), self._head):
+                for i in range(max(self._repush_from, self._released),
+                               min(self._head, self._repush_from + self._lead.cap)):
                     fid = int(plan.ids[i])
                     if fid in self._pushed and fid not in seen:
                         seen.add(fid)
@@ -532,7 +569,7 @@ class DatasetCache:
         if tier == RAM:
             self._drop_staged(fid)
             self.ram.put(fid, st.data)
-            self._belady.set(fid, nu)
+            self._belady.set(fid, self._key(fid))
             return
         path = self.ssd.reserve(fid, size) if tier == SSD else None
         if path is None:
@@ -763,6 +800,7 @@ class DatasetCache:
             if not ok:
                 self._push_pending.add(fid)
 
+
     # ------------------------------------------------------------------ stats
     def plan_hit_rate(self) -> float:
         """Plan accesses served without a backend read / plan accesses so far."""
@@ -794,6 +832,7 @@ class DatasetCache:
                     "lead_entries": round(lead, 1),
                     "lead_s": round(lead / rate, 3) if rate > 0 else None,
                     "lead_target": self._lead_target,
+                    "lead_cap": self._lead.cap,
                     "rate_entries_s": round(rate, 1),
                     "stall_s": round(self.stall_s, 4),
                     "pushes": self.pushes,

@@ -40,7 +40,9 @@ Lead
     access) multiplies ``lead_s`` by 1.25 (at most 10 times a second, up to 8x
     the base) and it decays back by 10 %/s without stalls. The hard bound is
     the staging byte budget: the head stops when the next miss cannot reserve
-    its bytes.
+    its bytes. When pushed pages are lost before use (the page cache cannot
+    hold the lead: memory pressure), the lead is capped at half the distance
+    the lost push was ahead, and the cap grows back by 10 %/s without losses.
 
 Threads
     One coordinator thread asks the cache for the next tasks in exact stream
@@ -253,6 +255,8 @@ class LeadControl:
         self.max_lead = max(min_lead, max_lead)
         self._last_stall = 0.0
         self._last_decay = 0.0
+        self.cap = self.max_lead  # lowered when pushes ahead were lost (page cache too small for the lead)
+        self._last_loss = 0.0
 
     def stalled(self, now: float) -> None:
         """A read waited for a planned access."""
@@ -260,15 +264,22 @@ class LeadControl:
             self.boost = min(8.0, self.boost * 1.25)
             self._last_stall = now
 
+    def lost(self, ahead: int, now: float) -> None:
+        """Pushed pages *ahead* entries before the head were dropped before use: halve the lead cap."""
+        self.cap = max(self.min_lead, min(self.cap, int(ahead)) // 2)
+        self._last_loss = now
+
     def entries(self, rate: float, now: float) -> int:
         """Target lead in entries."""
         if now - self._last_decay >= 1.0:
             if now - self._last_stall >= 1.0:
                 self.boost = max(1.0, self.boost * 0.9)
+            if now - self._last_loss >= 1.0:
+                self.cap = min(self.max_lead, int(self.cap * 1.1) + 1)
             self._last_decay = now
         if rate <= 0:
-            return min(self.max_lead, 4 * self.min_lead)
-        return int(min(self.max_lead, max(self.min_lead, rate * self.base_s * self.boost)))
+            return min(self.cap, 4 * self.min_lead)
+        return int(min(self.cap, max(self.min_lead, rate * self.base_s * self.boost)))
 
 
 class Prefetcher:
