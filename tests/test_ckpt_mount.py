@@ -300,6 +300,7 @@ def test_modified_published_file_is_reported_not_truncated_after_crash(ck: Ckpt,
     assert [i["path"] for i in m.status()["recovery"]["incomplete"]] == ["state.pt"]
 
 
+@pytest.mark.root
 def test_enospc_reaches_writer_and_status_names_device(ck: Ckpt, mounter: Any, tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a small tmpfs")

@@ -1,0 +1,97 @@
+"""tools/bench-train --quick and tools/demo end to end: last stdout line is the JSON result."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+import benchlib  # noqa: E402
+import emulate  # noqa: E402
+
+KEYS = {"train_speedup", "epoch_speedup", "ckpt_stall_ratio", "baseline", "dataset", "throttled", "plot",
+        "result_json", "budget"}
+HALF_KEYS = {"epoch_s", "train_s", "samples", "samples_per_s", "ckpt_stall_s", "ckpt_stall_total_s"}
+
+
+def _run(cmd: list[str], tmp_path: Path, timeout: float) -> dict[str, Any]:
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    last = p.stdout.strip().splitlines()[-1]
+    r = json.loads(last)
+    assert isinstance(r, dict) and KEYS <= r.keys(), sorted(r)
+    return r
+
+
+def _check_half(h: dict[str, Any], files: int, epochs: int) -> None:
+    assert HALF_KEYS <= h.keys()
+    assert len(h["epoch_s"]) == epochs and all(t > 0 for t in h["epoch_s"])
+    assert h["samples"] == files * epochs  # DistributedSampler, 1 rank, no drop_last
+    assert h["ckpt_stall_s"] and all(s > 0 for s in h["ckpt_stall_s"])
+
+
+def _nothing_left(tmp_path: Path, memcgs_before: set[Path]) -> None:
+    tmp = str(tmp_path)
+    assert tmp not in Path("/proc/self/mountinfo").read_text()
+    backing = [f.read_text() for f in Path("/sys/block").glob("loop*/loop/backing_file")]
+    assert not [b for b in backing if tmp in b]
+    assert set(benchlib.stale_memcgs()) <= memcgs_before
+
+
+@pytest.mark.mount
+@pytest.mark.root
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(os.geteuid() != 0, reason="the quick benchmark emulates devices (root)")
+def test_bench_train_quick(tmp_path: Path) -> None:
+    before = set(benchlib.stale_memcgs())
+    r = _run([str(REPO / "tools/bench-train"), "--quick", "--out", str(tmp_path / "out"), "--timeout", "60"],
+             tmp_path, timeout=220)
+    assert r["throttled"] is True and r["mem_cap"] > r["budget"]["trainer_mem"]
+    files, epochs = r["dataset"]["files"], r["config"]["epochs"]
+    _check_half(r["baseline"], files, epochs)
+    assert Path(r["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(Path(r["result_json"]).read_text())["baseline"] == r["baseline"]
+    # The fsd half must run: a skipped half is reported honestly, and fails this test.
+    assert "fsd_skipped" not in r, r.get("fsd_skipped")
+    _check_half(r["fsd"], files, epochs)
+    assert r["train_speedup"] == pytest.approx(r["baseline"]["train_s"] / r["fsd"]["train_s"], rel=1e-2)
+    _nothing_left(tmp_path, before)
+
+
+@pytest.mark.mount
+@pytest.mark.timeout(300)
+def test_demo_small(tmp_path: Path) -> None:
+    before = set(benchlib.stale_memcgs())
+    r = _run([str(REPO / "tools/demo"), "--files", "600", "--epochs", "2", "--out", str(tmp_path / "out"),
+              "--timeout", "60"], tmp_path, timeout=280)
+    assert r["dataset"]["files"] == 600
+    assert r["throttled"] is (os.geteuid() == 0)
+    _check_half(r["baseline"], 600, 2)
+    assert "fsd_skipped" not in r, r.get("fsd_skipped")
+    _check_half(r["fsd"], 600, 2)
+    assert r["train_speedup"] > 0
+    _nothing_left(tmp_path, before)
+
+
+def test_bench_helpers(tmp_path: Path) -> None:
+    """ImageFolder order and the npy-in-.jpg round trip the training script relies on."""
+    info = benchlib.make_imagefolder(tmp_path / "ds", 25, n_classes=3, file_bytes=3000, seed=1, fsync=False)
+    (tmp_path / "ds" / "class_000" / "notes.txt").write_text("not an image")
+    classes, samples = benchlib.list_imagefolder(tmp_path / "ds")
+    assert classes == ["class_000", "class_001", "class_002"] and len(samples) == 25
+    assert [lbl for _, lbl in samples] == sorted(lbl for _, lbl in samples)
+    assert samples == sorted(samples, key=lambda s: (s[1], s[0]))
+    arr = benchlib.decode_image(Path(samples[0][0]).read_bytes())
+    assert arr.shape == tuple(info["shape"]) and arr.dtype.name == "uint8"
+    xs, ys = benchlib.throughput_series([(10.2, 4), (10.7, 4), (12.1, 8)], 10.0, 1.0)
+    assert xs == [0.5, 1.5, 2.5] and ys == [8.0, 0.0, 8.0]
+    assert emulate.parse_size("1.5G") == 3 << 29
