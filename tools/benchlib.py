@@ -322,8 +322,12 @@ def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> list[int
 
 
 def fuse_connection(path: Path | str) -> int | None:
-    """The ``/sys/fs/fuse/connections/<N>`` id of the FUSE mount at ``path``, or None."""
-    path = os.path.realpath(path)
+    """The ``/sys/fs/fuse/connections/<N>`` id of the FUSE mount at ``path``, or None.
+
+    Reads mountinfo only: no stat() (realpath() would lstat the mount point and hang on a
+    daemon that does not answer). ``path`` must be absolute and free of symlinks.
+    """
+    path = os.path.abspath(path)
     with open("/proc/self/mountinfo") as f:
         for line in f:
             parts = line.split()
