@@ -401,7 +401,9 @@ class DatasetCache:
             self.foreign_reads += 1
             return None
         was = tr.state
-        jump = max(self._head - max(tr.front, 0), self._lead_target) + 2 * tr.window + (tr.beacon_every or 0)
+        # how far past the leading front a read may match: what has been prefetched, plus slack for
+        # a reader that outran the prefetcher; no more (a far match would make the front jump)
+        jump = max(self._head - max(tr.front, 0), 0) + 4 * tr.window + (tr.beacon_every or 0) + self._lead.min_lead
         q = tr.observe(fid, now, jump)
         if q is None and tr.index.count(fid) == 0:
             self.foreign_reads += 1

@@ -17,10 +17,12 @@ Where is the reader?
       window`` (the reader cannot pass the next beacon unnoticed).
 
 Matching
-    One front per rank (ranks drift apart). A read of file *f* matches the
-    first predicted access *q* of *f* at or after ``trail - 2*window`` whose
-    rank's front is at most ``2*window`` past *q* and at most ``max_jump``
-    before it (``max_jump`` = current lead + 2*window + beacon_every). Files the plan never mentions are *foreign* (another job,
+    One front per rank (ranks drift apart, by whole epochs when they are
+    not synchronized). A read of file *f* matches a predicted access *q* of
+    *f* that *q*'s rank has not passed by more than ``2*window``: preferably
+    one near an observed rank's front, else one of a rank not seen yet, else
+    the earliest up to ``max_jump`` past the leading front (``max_jump`` =
+    prefetched distance + 4*window + beacon_every + min lead). Files the plan never mentions are *foreign* (another job,
     ``ls``): served, counted, not held against the plan.
 
 Divergence and back-off
@@ -109,6 +111,7 @@ class ProgressTracker:
         else:
             self.rank_of = None
             self.fronts = [-1]
+        self._hist: list[deque[int]] = [deque(maxlen=5) for _ in self.fronts]
         self.state = SYNCED
         self.front = -1  # furthest matched position (leading rank)
         self.trail = -1  # front of the slowest rank seen so far
@@ -143,26 +146,34 @@ class ProgressTracker:
     def _match(self, fid: int, max_jump: int) -> int:
         """Position of the access a read of *fid* is, or ``NEVER``.
 
-        Among the predicted accesses of *fid* that their rank has not passed
-        (by more than ``2*window``) and that lie at most *max_jump* beyond that
-        rank's front (position 0 for a rank not seen yet), the one closest to
-        its rank's front: ranks drift apart, so the same file may be due soon
-        for one rank and later for another.
+        Reads do not say which rank sent them, so candidates (predicted
+        accesses of *fid* that their rank has not passed by more than
+        ``2*window``) are tried in three rounds, earliest first in each:
+        1. within ``[-2*window, 2*window + beacon_every]`` of an observed
+           rank's front;
+        2. of a rank not seen yet (ranks start at different times; a rank
+           may start an epoch after another);
+        3. at most *max_jump* past the leading front (a rank whose files all
+           came from the page cache has a stale front).
         """
         w2 = 2 * self.window
         p = self.index.positions(fid)
         lo = 0 if min(self.fronts) < 0 else max(0, self.trail - w2)
         k = int(np.searchsorted(p, lo, side="left"))
         limit = max(self.front, 0) + max_jump
-        best, best_d = int(NEVER), None
+        near = w2 + (self.beacon_every or 0)
+        cands = []
         for q in p[k : k + 64].tolist():
             if q > limit:
                 break
-            fr = max(self.fronts[self._rank(q)], 0)
-            d = q - fr
-            if -w2 <= d <= max_jump and (best_d is None or abs(d) < best_d):
-                best, best_d = q, abs(d)
-        return best
+            fr = self.fronts[self._rank(q)]
+            if fr < 0:
+                cands.append((1, 0, q))
+            elif fr - w2 <= q <= fr + near:
+                cands.append((0, 0, q))
+            elif q >= fr - w2:
+                cands.append((2, 0, q))
+        return min(cands)[2] if cands else int(NEVER)
 
     def observe(self, fid: int, now: float, max_jump: int) -> int | None:
         """Match a read/lookup of *fid*; returns its stream position or None."""
@@ -189,9 +200,15 @@ class ProgressTracker:
 
     def _advance(self, q: int, now: float) -> None:
         r = self._rank(q)
-        if q > self.fronts[r]:
-            self.fronts[r] = q
+        # a rank's front is the median of its last 5 matches (so it trails the newest match by two): on a small dataset a read can be
+        # ambiguous (attributed to another rank's later access); lone outliers must not move it
+        h = self._hist[r]
+        h.append(q)
+        robust = sorted(h)[len(h) // 2]
+        if robust > self.fronts[r]:
+            self.fronts[r] = robust
             self.trail = min(f for f in self.fronts if f >= 0)
+        q = max(self.fronts)
         if q <= self.front:
             return
         self.front = q
@@ -219,6 +236,7 @@ class ProgressTracker:
                     # every rank is taken to be where the consistent run is
                     self.front = self.trail = self._cand
                     self.fronts = [self._cand] * len(self.fronts)
+                    self._hist = [deque([self._cand], maxlen=5) for _ in self.fronts]
                     self.t_front = now
                     self._rate_pos, self._rate_t = self._cand, now
                     log.warning("reads match the plan again at position %d; prefetch resumed", self._cand)
