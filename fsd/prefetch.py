@@ -44,7 +44,8 @@ Lead
     the staging byte budget: the head stops when the next miss cannot reserve
     its bytes. When pushed pages are lost before use (the page cache cannot
     hold the lead: memory pressure), the lead is capped at half the distance
-    the lost push was ahead, and the cap grows back by 10 %/s without losses.
+    the lost push was ahead (at most once a second), and the cap grows back
+    by 25 %/s without losses.
 
 Threads
     One coordinator thread asks the cache for the next tasks in exact stream
@@ -284,8 +285,9 @@ class LeadControl:
 
     def lost(self, ahead: int, now: float) -> None:
         """Pushed pages *ahead* entries before the head were dropped before use: halve the lead cap."""
-        self.cap = max(self.min_lead, min(self.cap, int(ahead)) // 2)
-        self._last_loss = now
+        if now - self._last_loss >= 1.0:  # one loss event (e.g. a drop_caches) halves it once
+            self.cap = max(self.min_lead, min(self.cap, int(ahead)) // 2)
+            self._last_loss = now
 
     def entries(self, rate: float, now: float) -> int:
         """Target lead in entries."""
@@ -293,7 +295,7 @@ class LeadControl:
             if now - self._last_stall >= 1.0:
                 self.boost = max(1.0, self.boost * 0.9)
             if now - self._last_loss >= 1.0:
-                self.cap = min(self.max_lead, int(self.cap * 1.1) + 1)
+                self.cap = min(self.max_lead, int(self.cap * 1.25) + 1)
             self._last_decay = now
         if rate <= 0:
             return min(self.cap, 4 * self.min_lead)
