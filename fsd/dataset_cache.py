@@ -410,7 +410,7 @@ class DatasetCache:
         if was == SYNCED and tr.state == DIVERGED:
             self._reset_position(self._head)  # back off: release transient data, stop pushing
         elif was == DIVERGED and tr.state == SYNCED:
-            self._reset_position(max(0, tr.front - tr.window))
+            self._reset_position(max(0, tr.trail - tr.window))
         if q is not None:
             self._cond.notify_all()
         return q if tr.state == SYNCED else None

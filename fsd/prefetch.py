@@ -234,12 +234,16 @@ class ProgressTracker:
                     self.state = SYNCED
                     self.resyncs += 1
                     self.recent.clear()
-                    # every rank is taken to be where the consistent run is
-                    self.front = self.trail = self._cand
-                    self.fronts = [self._cand] * len(self.fronts)
-                    self._hist = [deque([self._cand], maxlen=5) for _ in self.fronts]
+                    # the consistent run re-anchors its rank; other ranks keep their fronts (ranks
+                    # drift apart: a divergence of one need not be one of all), unless unset
+                    r = self._rank(self._cand)
+                    self.fronts[r] = self._cand
+                    self._hist[r] = deque([self._cand], maxlen=5)
+                    self.fronts = [f if f >= 0 else self._cand for f in self.fronts]
+                    self.front = max(self.fronts)
+                    self.trail = min(self.fronts)
                     self.t_front = now
-                    self._rate_pos, self._rate_t = self._cand, now
+                    self._rate_pos, self._rate_t = self.front, now
                     log.warning("reads match the plan again at position %d; prefetch resumed", self._cand)
                     return q
                 return None
