@@ -185,7 +185,7 @@ class CheckpointOperations(pyfuse3.Operations):
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        self.wb.start()
+        self.wb.start(nursery)
         self.readahead_kb = _raise_readahead(self.backing_fd, READAHEAD_KB)
         if self.control is not None and hasattr(self.control, "expire_loop"):
             nursery.start_soon(self.control.expire_loop)

@@ -72,6 +72,11 @@ class FileState:
     loading: dict[int, trio.Event] = field(default_factory=dict)
     changed: trio.Event = field(default_factory=trio.Event)
     on_device: bool = False  # some bytes have reached a device data file
+    # restore read-ahead: whole stripes read from all devices in parallel (clean files only)
+    ra: dict[int, bytearray] = field(default_factory=dict)
+    ra_loading: dict[int, trio.Event] = field(default_factory=dict)
+    ra_gen: int = 0
+    read_end: int = -1
 
     def notify(self) -> None:
         """Wake everyone waiting for this file's state to change."""
@@ -280,11 +285,17 @@ class WriteBack:
         self._token: trio.lowlevel.TrioToken | None = None
         self.lost_bytes = 0
         self.loads = 0  # read-modify-write loads of flushed chunks
+        self._nursery: trio.Nursery | None = None
+        self.ra_stripes = 0  # stripes prefetched for sequential readers
 
     # -- lifecycle ------------------------------------------------------------------
-    def start(self) -> None:
-        """Start flusher threads; must be called on the trio loop."""
+    def start(self, nursery: trio.Nursery | None = None) -> None:
+        """Start flusher threads; must be called on the trio loop.
+
+        With a *nursery*, sequential reads of clean files prefetch whole stripes.
+        """
         self._token = trio.lowlevel.current_trio_token()
+        self._nursery = nursery
         for d in self.devices:
             d.start()
 
@@ -364,6 +375,7 @@ class WriteBack:
         n = len(data)
         if n == 0:
             return 0
+        self._ra_drop(f)
         src = memoryview(data)
         c = self.chunk_size
         pos = 0
@@ -455,6 +467,10 @@ class WriteBack:
                 missing[-1] = (missing[-1][0], missing[-1][1] + hi - lo)
             else:
                 missing.append((lo, hi - lo))
+        sequential = off == f.read_end or off == 0
+        f.read_end = end
+        if missing and sequential and self._nursery is not None and f.on_device and not f.chunks:
+            missing = await self._read_ahead(f, off, end, view, missing)
         if missing:
             per_dev: dict[int, list[tuple[int, int, int]]] = {}
             for moff, mlen in missing:
@@ -471,12 +487,81 @@ class WriteBack:
         view.release()
         return bytes(out)
 
+    # -- restore read-ahead --------------------------------------------------------------
+    def _ra_drop(self, f: FileState) -> None:
+        if f.ra or f.ra_loading:
+            f.ra.clear()
+            f.ra_gen += 1  # loads in flight are discarded when they land
+
+    async def _read_ahead(self, f: FileState, off: int, end: int, view: memoryview,
+                          missing: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Serve *missing* from prefetched stripes; start loading the next 2N stripes.
+
+        Returns what could not be served (a failed load falls back to direct reads).
+        """
+        s_size = f.layout.stripe_size
+        first, last = off // s_size, (end - 1) // s_size
+        top = min((f.size - 1) // s_size, last + 2 * len(self.devices))
+        for s in [s for s in f.ra if s < first]:
+            del f.ra[s]
+        assert self._nursery is not None
+        for s in range(first, top + 1):
+            if s not in f.ra and s not in f.ra_loading:
+                f.ra_loading[s] = trio.Event()
+                self._nursery.start_soon(self._ra_load, f, s, f.ra_gen)
+        for s in range(first, last + 1):
+            ev = f.ra_loading.get(s)
+            if ev is not None:
+                await ev.wait()
+        left: list[tuple[int, int]] = []
+        for moff, mlen in missing:
+            pos, stop = moff, moff + mlen
+            while pos < stop:
+                s = pos // s_size
+                n = min(stop, (s + 1) * s_size) - pos
+                data = f.ra.get(s)
+                if data is None:
+                    left.append((pos, n))
+                else:
+                    rel = pos - s * s_size
+                    with memoryview(data) as dv:
+                        view[pos - off:pos - off + n] = dv[rel:rel + n]
+                pos += n
+        if end >= f.size:  # the reader reached EOF: let the prefetched stripes go
+            f.ra.clear()
+        return left
+
+    async def _ra_load(self, f: FileState, s: int, gen: int) -> None:
+        s_size = f.layout.stripe_size
+        length = max(0, min(s_size, f.size - s * s_size))
+        buf = bytearray(length)
+
+        def load() -> None:
+            view = memoryview(buf)
+            for ext in f.layout.extents(s * s_size, length):
+                rel = ext.file_off - s * s_size
+                self.devices[ext.device].pread_into(f.id, ext.local_off, view[rel:rel + ext.length])
+            view.release()
+
+        try:
+            await trio.to_thread.run_sync(load, limiter=self.io_limiter)
+            if f.ra_gen == gen and f.id in self.files:
+                f.ra[s] = buf
+                self.ra_stripes += 1
+        except OSError as e:
+            log.warning("read-ahead of stripe %d of %s failed: %s", s, f.label, e)
+        finally:
+            ev = f.ra_loading.pop(s, None)
+            if ev is not None:
+                ev.set()
+
     async def _in_thread(self, fn: Callable[..., object], *args: object) -> None:
         await trio.to_thread.run_sync(fn, *args, limiter=self.io_limiter)
 
     async def truncate(self, f: FileState, size: int) -> None:
         """Set *f*'s size; bytes beyond a shrink are dropped in RAM and on devices."""
         self._check(f)
+        self._ra_drop(f)
         if size >= f.size:
             f.size = size
             return
@@ -654,6 +739,9 @@ class WriteBack:
     async def discard(self, f: FileState) -> None:
         """Drop *f* entirely: RAM, in-flight jobs, and its data files on every device."""
         await self.wait_idle(f)
+        self._ra_drop(f)
+        while f.ra_loading:  # read-ahead threads use the fds that delete() closes
+            await next(iter(f.ra_loading.values())).wait()
         for ch in f.chunks.values():
             self._free(ch)
         f.chunks.clear()
@@ -681,6 +769,7 @@ class WriteBack:
             "writers_blocked": self._waiting_writers,
             "lost_bytes": self.lost_bytes,
             "rmw_loads": self.loads,
+            "readahead_stripes": self.ra_stripes,
             "devices": [
                 {
                     "index": d.index,
