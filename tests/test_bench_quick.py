@@ -55,6 +55,7 @@ def test_bench_train_quick(tmp_path: Path) -> None:
     before = set(benchlib.stale_memcgs())
     r = _run([str(REPO / "tools/bench-train"), "--quick", "--out", str(tmp_path / "out"), "--timeout", "60"],
              tmp_path, timeout=220)
+    _nothing_left(tmp_path, before)
     assert r["throttled"] is True and r["mem_cap"] > r["budget"]["trainer_mem"]
     files, epochs = r["dataset"]["files"], r["config"]["epochs"]
     _check_half(r["baseline"], files, epochs)
@@ -64,7 +65,6 @@ def test_bench_train_quick(tmp_path: Path) -> None:
     assert "fsd_skipped" not in r, r.get("fsd_skipped")
     _check_half(r["fsd"], files, epochs)
     assert r["train_speedup"] == pytest.approx(r["baseline"]["train_s"] / r["fsd"]["train_s"], rel=1e-2)
-    _nothing_left(tmp_path, before)
 
 
 @pytest.mark.mount
@@ -73,13 +73,13 @@ def test_demo_small(tmp_path: Path) -> None:
     before = set(benchlib.stale_memcgs())
     r = _run([str(REPO / "tools/demo"), "--files", "600", "--epochs", "2", "--out", str(tmp_path / "out"),
               "--timeout", "60"], tmp_path, timeout=280)
+    _nothing_left(tmp_path, before)
     assert r["dataset"]["files"] == 600
     assert r["throttled"] is (os.geteuid() == 0)
     _check_half(r["baseline"], 600, 2)
     assert "fsd_skipped" not in r, r.get("fsd_skipped")
     _check_half(r["fsd"], 600, 2)
     assert r["train_speedup"] > 0
-    _nothing_left(tmp_path, before)
 
 
 def test_bench_helpers(tmp_path: Path) -> None:
