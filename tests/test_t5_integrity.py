@@ -8,7 +8,6 @@ backend's, whatever order the reads come in and whatever the plan says.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import random
 import subprocess
