@@ -7,6 +7,11 @@ throttles on the *root* blkio cgroup keyed by the loop's major:minor. On the roo
 cgroup the throttle also applies to page-cache writeback, so buffered writes
 plus fsync are limited too, not only O_DIRECT.
 
+Measured here (dd, 400 MiB): 200 MiB/s write limit -> 218 MB/s O_DIRECT, 164 MB/s buffered
++ fsync; 60 MiB/s read limit -> 63 MB/s; 1500 IOPS -> ~1550 4 KiB O_DIRECT reads/s. Caveat:
+after an idle second, blk-throttle lets about one slice (bps x 100 ms, ~20 MiB at 200 MiB/s)
+through at host speed, so writes much smaller than that are not throttled honestly.
+
 Everything created is recorded in ``DIR/.emulate.json`` *before* the next step
 runs, so ``down`` can undo a run that crashed at any point (stale state). Loop
 devices are also found by their backing-file path (``losetup -j``), never by
