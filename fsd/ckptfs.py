@@ -56,7 +56,9 @@ ATTR_TIMEOUT = 60.0
 def _raise_readahead(backing_fd: int, kb: int) -> int | None:
     """Set read_ahead_kb of this mount's bdi (root only); returns the value now in effect."""
     try:
-        source = "fsd:" + os.path.realpath(os.readlink(f"/proc/self/fd/{backing_fd}"))
+        # the link is already absolute and resolved; realpath() would stat our own
+        # mount point before the kernel INIT is answered (deadlock when in place)
+        source = "fsd:" + os.readlink(f"/proc/self/fd/{backing_fd}")
         majmin = None
         with open("/proc/self/mountinfo") as f:
             for line in f:
