@@ -7,6 +7,7 @@ that fd, so unmodified code keeps its paths. One pyfuse3 session per process.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -88,10 +89,33 @@ def serve(ops: Any, mountpoint: Path, *, options: list[str], ready: Callable[[],
         log.info("unmounted %s%s", mountpoint, "" if clean else " after an error")
 
 
+#: How often the daemon hands freed heap back to the kernel.
+TRIM_INTERVAL_S = 5.0
+
+
+async def _trim_heap() -> None:
+    """Periodically ``malloc_trim(0)``.
+
+    Sample-sized buffers (tens of kB to MBs) churn through glibc's heap; freed
+    memory stays mapped (RSS grew ~20 MB per epoch of misses in the load test
+    while live Python objects stayed at ~6 MB). Trimming keeps RSS bounded
+    without forcing every buffer into its own mmap.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    limiter = trio.CapacityLimiter(1)
+    while True:
+        await trio.sleep(TRIM_INTERVAL_S)
+        await trio.to_thread.run_sync(libc.malloc_trim, 0, limiter=limiter)
+
+
 async def _main(ops: Any) -> None:
     async with trio.open_nursery() as nursery:
         await ops.start(nursery)
         nursery.start_soon(_watch_signals, ops, nursery.cancel_scope)
+        nursery.start_soon(_trim_heap)
         await pyfuse3.main()
         # the kernel side went away (fusermount -u): finish background work
         await ops.stop()
