@@ -44,8 +44,41 @@ def mounts() -> list[tuple[str, str]]:
 
 def fsd_mount_at(path: Path) -> bool:
     """True if an fsd filesystem is mounted exactly at *path*."""
-    p = os.path.realpath(path)
+    p = _resolve_without_entering(path)
     return any(mp == p and t == FS_TYPE for mp, t in mounts())
+
+
+def _resolve_without_entering(path: Path) -> str:
+    """realpath of *path*'s parent joined with its name: never stats a (maybe hung) mount root."""
+    path = Path(os.path.abspath(path))
+    return os.path.join(os.path.realpath(path.parent), path.name)
+
+
+def fuse_connection(path: Path) -> int | None:
+    """The FUSE connection number (device minor) of the fuse mount at *path*."""
+    target = _resolve_without_entering(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            if _unescape(fields[4]) == target and right.startswith("fuse"):
+                return int(fields[2].split(":")[1])
+    return None
+
+
+def abort_connection(path: Path) -> bool:
+    """Abort the FUSE connection of the mount at *path* (frees processes stuck on it)."""
+    conn = fuse_connection(path)
+    if conn is None:
+        return False
+    ctl = Path("/sys/fs/fuse/connections")
+    if not (ctl / str(conn)).exists():
+        subprocess.run(["mount", "-t", "fusectl", "none", str(ctl)], capture_output=True)
+    try:
+        (ctl / str(conn) / "abort").write_text("1")
+    except OSError:
+        return False
+    return True
 
 
 def check_mountpoint(path: Path) -> Path:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,38 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FSD = [sys.executable, "-m", "fsd.cli"]
+
+
+class HangGuard:
+    """Abort the mount's FUSE connection if the block takes longer than *seconds*.
+
+    pytest-timeout cannot interrupt a process blocked in the kernel on a FUSE
+    request (D state); aborting the connection turns a daemon deadlock into
+    ENOTCONN errors and a failed test instead of a hung suite.
+    """
+
+    def __init__(self, mountpoint: Path, seconds: float) -> None:
+        self.mountpoint = mountpoint
+        self.seconds = seconds
+        self.fired = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        from fsd.mount import abort_connection
+
+        if not self._done.wait(self.seconds):
+            self.fired = abort_connection(self.mountpoint)
+
+    def __enter__(self) -> "HangGuard":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        if self.fired:
+            pytest.fail(f"fsd did not answer within {self.seconds:.0f} s (deadlock?): FUSE connection aborted")
 
 
 def is_fsd_mount(path: Path) -> bool:
@@ -58,13 +91,16 @@ class Mount:
             os.close(fd)
 
     def close(self, timeout: float = 60) -> int | None:
-        """Unmount (lazily if needed) and reap the daemon."""
+        """Unmount (lazily, then by aborting the connection, if needed) and reap the daemon."""
+        from fsd.mount import abort_connection
+
         if self.proc.poll() is None:
-            subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True)
             try:
+                subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True, timeout=20)
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
+                abort_connection(self.mountpoint)  # a deadlocked daemon: free its waiters
+                subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, timeout=20)
                 self.proc.kill()
                 self.proc.wait(10)
         if is_fsd_mount(self.mountpoint):

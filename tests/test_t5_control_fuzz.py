@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from conftest import Mount, make_tree
 from fsd.control import INCOMPLETE_TIMEOUT, MAX_CONTROL_BYTES, SINGLE_WRITE_BYTES
 from fsd.plan import PlanError, parse_plan
-from test_t5_integrity import HangGuard
+from conftest import HangGuard
 
 pytestmark = [pytest.mark.mount]
 

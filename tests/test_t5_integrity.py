@@ -18,65 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HangGuard
 from fsd.revalidate import Revalidator, dir_fd_stat
-
-# ------------------------------------------------- hang guard (shared by the t5 tests)
-FUSECTL = Path("/sys/fs/fuse/connections")
-
-
-def fuse_connection_id(mountpoint: Path) -> int | None:
-    """The FUSE connection number (device minor) of the mount at *mountpoint*."""
-    target = os.path.realpath(mountpoint)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == target and " - fuse" in line:
-                return int(fields[2].split(":")[1])
-    return None
-
-
-def abort_fuse(mountpoint: Path) -> bool:
-    """Abort the FUSE connection of *mountpoint* (frees readers stuck in D state)."""
-    conn = fuse_connection_id(mountpoint)
-    if conn is None:
-        return False
-    if not (FUSECTL / str(conn)).exists():
-        subprocess.run(["mount", "-t", "fusectl", "none", str(FUSECTL)], capture_output=True)
-    try:
-        (FUSECTL / str(conn) / "abort").write_text("1")
-    except OSError:
-        return False
-    return True
-
-
-class HangGuard:
-    """Abort the mount's FUSE connection if the block takes longer than *seconds*.
-
-    pytest-timeout cannot interrupt a process blocked in the kernel on a FUSE
-    request (D state); aborting the connection turns a daemon deadlock into
-    ENOTCONN errors and a failed test instead of a hung suite.
-    """
-
-    def __init__(self, mountpoint: Path, seconds: float) -> None:
-        self.mountpoint = mountpoint
-        self.seconds = seconds
-        self.fired = False
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def _watch(self) -> None:
-        if not self._done.wait(self.seconds):
-            self.fired = abort_fuse(self.mountpoint)
-
-    def __enter__(self) -> "HangGuard":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
-        if self.fired:
-            pytest.fail(f"fsd did not answer within {self.seconds:.0f} s (deadlock?): FUSE connection aborted")
 
 # ---------------------------------------------------------------- part 1: units
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_tree
-from test_t5_integrity import HangGuard
+from conftest import HangGuard
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(120),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount for and switch to another user")]
