@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
