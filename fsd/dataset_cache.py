@@ -116,6 +116,7 @@ class DatasetCache:
     STAGING_FRACTION = 0.25
     STAGING_MAX = 512 << 20
     BEACON_EVERY = 16
+    PAGE_CACHE_PROBE_S = 0.05
     LEAD_S = 1.0
     MAX_LEAD = 1 << 16
     FETCH_WAIT_S = 10.0
@@ -152,6 +153,16 @@ class DatasetCache:
         self._last_proc: dict[int, int] = {}
         self._push_pending: set[int] = set()
         self._pushed: dict[int, int] = {}  # fid -> position of a complete push for a pending access
+        # What the kernel page cache is believed to hold: fid -> (bytes from offset 0, sequence number of the push
+        # or daemon read that put them there). A loss event (a read at offset 0 of a file believed held) makes every
+        # earlier entry suspect (``_lost_below``); invalidate() forgets the file. Only steers pushes: a page the
+        # kernel does not have is read through the daemon, so a wrong belief costs a round trip, never bytes.
+        self._kcover: dict[int, tuple[int, int]] = {}
+        self._kseq = 0
+        self._lost_below = 0
+        self._push_queued: set[int] = set()  # fids with a re-push task queued (not yet run)
+        self._vmstat: int | None = -1  # last drop_pagecache count (-1: not read yet; None: unavailable)
+        self._vmstat_t = 0.0
         self._repush_from: int | None = None
         self._last_repush = 0.0
         self._replan_pos = 0
@@ -173,6 +184,8 @@ class DatasetCache:
         self.overflow_drops = 0
         self.push_losses = 0
         self.repushes = 0
+        self.push_skips = 0
+        self.page_cache_drops = 0
         self._closed = False
         self._prefetcher = Prefetcher(self._schedule, self._execute, self._wait, self.fetch_threads)
 
@@ -246,6 +259,7 @@ class DatasetCache:
         self._last_proc.clear()
         self._push_pending.clear()
         self._pushed.clear()
+        self._push_queued.clear()
         self._repush_from = None
         for fid in list(self._staged):
             if fid not in self._ssd_writing:
@@ -254,12 +268,33 @@ class DatasetCache:
     # ------------------------------------------------------------------ reads
     def read(self, file_id: int, off: int, size: int) -> bytes:
         """Bytes ``[off, off+size)`` of *file_id*, from RAM, staging, SSD or backend."""
+        with self._lock:
+            gen = self._gen.get(file_id, 0)
+        out = self._read(file_id, off, size)
+        with self._lock:
+            # the kernel caches what this read returns (keep_cache): extend what it is believed to hold
+            if gen == self._gen.get(file_id, 0) and not self._closed:
+                held = 0 if off == 0 else self._held(file_id)
+                if off <= held:
+                    self._kcover[file_id] = (max(held, off + len(out)), self._kseq)
+                    self._kseq += 1
+        return out
+
+    def _held(self, fid: int) -> int:
+        """Bytes from offset 0 of *fid* the kernel page cache is believed to hold (lock held)."""
+        c = self._kcover.get(fid)
+        return c[0] if c is not None and c[1] >= self._lost_below else 0
+
+    def _read(self, file_id: int, off: int, size: int) -> bytes:
         t0 = time.monotonic()
         with self._cond:
             q = self._observe(file_id, t0)
             planned = q is not None
             if planned and off == 0 and file_id in self._pushed:
-                self._push_lost(q, t0)
+                self._push_lost(q, file_id, t0)
+            elif off == 0 and self._held(file_id) > 0:
+                # an older copy was reclaimed: what was put there before it is gone too (LRU)
+                self._lost_below = max(self._lost_below, self._kcover[file_id][1] + 1)
             fetch = self._catch_up(q) if planned and self._plan is not None and q >= self._head else None
         waited = False
         if fetch is not None:
@@ -370,19 +405,51 @@ class DatasetCache:
             if inf is not None:
                 inf.event.set()  # its completion sees the new generation and discards
             self._push_pending.discard(file_id)
+            self._kcover.pop(file_id, None)
+            self._pushed.pop(file_id, None)
             if 0 <= file_id < self.n_files and self._sizes[file_id] >= 0:
                 self._size_sum -= int(self._sizes[file_id])
                 self._size_n -= 1
                 self._sizes[file_id] = -1
 
-    def _push_lost(self, q: int, now: float) -> None:
-        """A pushed file's read reached us: the kernel dropped pushed pages; re-push the lead (lock held)."""
+    def _push_lost(self, q: int, fid: int, now: float) -> None:
+        """A pushed file's read reached us: the kernel dropped pushed pages; re-push the lead (lock held).
+
+        A file believed held is a new loss: everything pushed so far becomes suspect and the lead cap
+        is halved. A file already suspect (an earlier loss or a page-cache drop explains it) only
+        re-pushes the suspects ahead that are not re-pushed yet; if its own re-push is queued, the
+        reader merely outran it."""
         self.push_losses += 1
+        new = self._held(fid) > 0
+        if not new and fid in self._push_queued:
+            return
         if now - self._last_repush >= 0.1:
-            self._lead.lost(self._head - q, now)
+            if new:
+                self._lost_below = self._kseq  # everything pushed (or started) so far is suspect
+                self._lead.lost(self._head - q, now)
             self._last_repush = now
             self._repush_from = q + 1
             self._cond.notify_all()
+
+    def _page_cache_dropped(self, now: float) -> bool:
+        """Whether ``drop_caches`` dropped the page cache since the last look (coordinator thread, no lock).
+
+        ``drop_pagecache`` in /proc/vmstat counts them: every push so far is gone, and no read tells
+        us before the reader gets there (a dropped lead would be read through the daemon)."""
+        if self._vmstat is None or now - self._vmstat_t < self.PAGE_CACHE_PROBE_S:
+            return False
+        self._vmstat_t = now
+        try:
+            with open("/proc/vmstat", "rb") as f:
+                text = f.read()
+            k = text.index(b"\ndrop_pagecache ") + 16
+            n = int(text[k : text.index(b"\n", k)])
+        except (OSError, ValueError):
+            self._vmstat = None  # not Linux, or no such counter: rely on losses seen by reads
+            return False
+        dropped = self._vmstat >= 0 and n != self._vmstat
+        self._vmstat = n
+        return dropped
 
     def _account_stall(self, stalled: bool, t0: float) -> None:
         if not stalled:
@@ -463,11 +530,18 @@ class DatasetCache:
     def _schedule(self) -> list[Task]:
         """Next tasks in stream order, up to the lead target."""
         self._maybe_replan()
+        dropped = self.push is not None and self._page_cache_dropped(time.monotonic())
         with self._lock:
             plan, tr = self._plan, self._tracker
+            if dropped:
+                self._lost_below = self._kseq  # nothing pushed so far is in the page cache any more
+                self.page_cache_drops += 1
             if self._closed or plan is None or tr is None or tr.state != SYNCED:
                 return []
             now = time.monotonic()
+            if dropped:
+                self._repush_from = self._released
+                self._last_repush = now
             self._retire(max(0, tr.trail - 2 * plan.window))
             est = tr.est_pos(now)
             lead = self._lead.entries(tr.rate, now)
@@ -481,8 +555,10 @@ class DatasetCache:
                 for i in range(max(self._repush_from, self._released),
                                min(self._head, self._repush_from + self._lead.cap)):
                     fid = int(plan.ids[i])
-                    if fid in self._pushed and fid not in seen:
+                    if fid in self._pushed and fid not in seen and fid not in self._push_queued \
+                            and self._held(fid) < self._sizes[fid]:
                         seen.add(fid)
+                        self._push_queued.add(fid)
                         tasks.append(Task("push", fid, i, plan.gen))
                         self.repushes += 1
                 self._repush_from = None
@@ -512,7 +588,8 @@ class DatasetCache:
             if self._resident(fid):
                 self._belady.set(fid, i)
             if self.push is not None and fid not in self._inflight and (self._resident(fid) or fid in self._staged):
-                return Task("push", fid, i, plan.gen)
+                if self._push_needed(fid, i):
+                    return Task("push", fid, i, plan.gen)
             return None
         est = int(self._sizes[fid])
         if est < 0:
@@ -533,6 +610,30 @@ class DatasetCache:
         self._inflight[fid] = inf
         inf.task = Task("fetch", fid, i, plan.gen, est, inf)
         return inf.task
+
+    def _beacon_len(self, size: int) -> int:
+        """Bytes a beacon push puts in the page cache: all whole pages but the last."""
+        return ((size - 1) // PAGE) * PAGE if size > 0 else 0
+
+    def _push_needed(self, fid: int, pos: int) -> bool:
+        """Whether access *pos* of *fid* needs a push, given what the kernel is believed to hold (lock held).
+
+        A beacon needs its pages but the last; if the kernel is believed to hold the whole file, the
+        beacon is given up (pushing cannot remove the last page), not re-pushed. A file believed held
+        whole counts as pushed for this access (a read at offset 0 of it is a loss)."""
+        size = int(self._sizes[fid])
+        if size < 0:
+            return True
+        held = self._held(fid)
+        if pos % self.BEACON_EVERY == 0:
+            if held < self._beacon_len(size):
+                return True
+        elif held < size:
+            return True
+        self.push_skips += 1
+        if held >= size and fid in self._last_proc:
+            self._pushed[fid] = pos
+        return False
 
     def _note_pending(self, i: int, fid: int) -> None:
         self._last_proc[fid] = i
@@ -761,6 +862,7 @@ class DatasetCache:
     def _run_push(self, t: Task) -> None:
         fid = t.fid
         with self._lock:
+            self._push_queued.discard(fid)
             plan = self._plan
             if plan is None or plan.gen != t.plan_gen or self._tracker is None or self._tracker.state != SYNCED:
                 return
@@ -781,10 +883,16 @@ class DatasetCache:
         assert self.push is not None
         beacon = pos % self.BEACON_EVERY == 0
         if beacon:
-            n = ((len(data) - 1) // PAGE) * PAGE if data else 0
-            part = data[:n]
+            part = data[: self._beacon_len(len(data))]
         else:
             part = data
+        with self._lock:
+            self._push_queued.discard(fid)
+            if 0 <= fid < self.n_files and self._sizes[fid] == len(data) and not self._push_needed(fid, pos):
+                return  # the kernel is believed to hold it already
+            seq = self._kseq  # taken before the push: a loss seen while it runs makes it suspect
+            self._kseq += 1
+            gen = self._gen.get(fid, 0)
         ok = True
         if part:
             try:
@@ -797,6 +905,8 @@ class DatasetCache:
                 self.pushes += 1
                 if not beacon and fid in self._last_proc:
                     self._pushed[fid] = pos
+                if part and gen == self._gen.get(fid, 0) and seq >= self._lost_below and not self._closed:
+                    self._kcover[fid] = (len(part), seq)
             else:
                 self.push_failures += 1
             if not ok:
@@ -842,6 +952,8 @@ class DatasetCache:
                     "overflow_drops": self.overflow_drops,
                     "push_losses": self.push_losses,
                     "repushes": self.repushes,
+                    "push_skips": self.push_skips,
+                    "page_cache_drops": self.page_cache_drops,
                 },
                 "divergence": tr.stats() if tr is not None else {"state": "no_plan"},
                 "backend": {"bytes_read": self.backend_bytes, "reads": self.backend_reads,
