@@ -445,11 +445,27 @@ class WriteBack:
         finally:
             view.release()
 
-    async def read(self, f: FileState, off: int, size: int) -> bytes:
-        """Bytes [off, off+size) clipped at EOF; RAM chunks first, devices in parallel."""
+    async def read(self, f: FileState, off: int, size: int) -> bytes | bytearray | memoryview:
+        """Bytes [off, off+size) clipped at EOF; RAM chunks first, devices in parallel.
+
+        A sequential read inside one prefetched stripe is answered with a memoryview of
+        it (pyfuse3 replies from any buffer): no copy on the loop.
+        """
         end = min(off + size, f.size)
         if off >= end:
             return b""
+        s_size = f.layout.stripe_size
+        if (self._nursery is not None and f.on_device and not f.chunks and (off == f.read_end or off == 0)
+                and off // s_size == (end - 1) // s_size):
+            await self._read_ahead(f, off, end, None, [])
+            data = f.ra.get(off // s_size)
+            if data is not None and not f.chunks:
+                f.read_end = end
+                rel = off - (off // s_size) * s_size
+                mv = memoryview(data)[rel:rel + end - off]
+                if end >= f.size:
+                    f.ra.clear()
+                return mv
         out = bytearray(end - off)
         view = memoryview(out)
         missing: list[tuple[int, int]] = []  # (file_off, length) not in RAM
@@ -485,7 +501,7 @@ class WriteBack:
                 for dev, items in per_dev.items():
                     n.start_soon(self._in_thread, run, dev, items)
         view.release()
-        return bytes(out)
+        return out
 
     # -- restore read-ahead --------------------------------------------------------------
     def _ra_drop(self, f: FileState) -> None:
@@ -493,7 +509,7 @@ class WriteBack:
             f.ra.clear()
             f.ra_gen += 1  # loads in flight are discarded when they land
 
-    async def _read_ahead(self, f: FileState, off: int, end: int, view: memoryview,
+    async def _read_ahead(self, f: FileState, off: int, end: int, view: memoryview | None,
                           missing: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Serve *missing* from prefetched stripes; start loading the next 2N stripes.
 
@@ -520,14 +536,14 @@ class WriteBack:
                 s = pos // s_size
                 n = min(stop, (s + 1) * s_size) - pos
                 data = f.ra.get(s)
-                if data is None:
+                if data is None or view is None:
                     left.append((pos, n))
                 else:
                     rel = pos - s * s_size
                     with memoryview(data) as dv:
                         view[pos - off:pos - off + n] = dv[rel:rel + n]
                 pos += n
-        if end >= f.size:  # the reader reached EOF: let the prefetched stripes go
+        if end >= f.size and view is not None:  # the reader reached EOF: let the stripes go
             f.ra.clear()
         return left
 
