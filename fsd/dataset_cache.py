@@ -42,6 +42,20 @@ Pushing
     the pushes between that position and the head are redone (at most every
     100 ms; ``push_losses``/``repushes`` in ``stats()``).
 
+    What the kernel holds is tracked per file (``_kcover``: bytes from offset 0,
+    from a push or from a read the daemon served, which the kernel caches).
+    Pushes of files believed held are skipped (``push_skips``): in the steady
+    state, when everything fits, the daemon does nothing while the reader reads
+    (a push competes with the reader for the CPUs and costs the reader a
+    getattr at the file's next open). A beacon needs only its pages but the
+    last. A loss makes everything pushed so far suspect (re-pushed when needed,
+    once per loss: a suspect file's loss does not re-suspect the fresh
+    re-pushes); an offset-0 read of an older copy makes everything older
+    suspect (LRU); ``invalidate`` forgets the file; ``drop_caches`` is seen in
+    ``/proc/vmstat`` (``drop_pagecache``) within 50 ms and re-pushes the lead
+    before the reader gets there (``page_cache_drops``). A wrong belief costs a
+    round trip, never bytes: a page the kernel lacks is read through us.
+
 Deadlocks
     ``notify_store`` locks the page-cache pages it fills; a kernel readahead
     holds those locks until its FUSE READ is answered. So the thread that
@@ -115,7 +129,8 @@ class DatasetCache:
 
     STAGING_FRACTION = 0.25
     STAGING_MAX = 512 << 20
-    BEACON_EVERY = 16
+    BEACON_EVERY = 16  # beacon spacing while the reader is served by the daemon (stalls, losses)
+    BEACON_MAX = 256  # sparsest spacing, for a fast page-cache-hot reader (LeadControl.beacon_spacing)
     PAGE_CACHE_PROBE_S = 0.05
     LEAD_S = 1.0
     MAX_LEAD = 1 << 16
@@ -161,6 +176,7 @@ class DatasetCache:
         self._kseq = 0
         self._lost_below = 0
         self._push_queued: set[int] = set()  # fids with a re-push task queued (not yet run)
+        self._beacon_every = self.BEACON_EVERY  # current beacon spacing (adaptive, see _schedule)
         self._vmstat: int | None = -1  # last drop_pagecache count (-1: not read yet; None: unavailable)
         self._vmstat_t = 0.0
         self._repush_from: int | None = None
@@ -227,6 +243,7 @@ class DatasetCache:
             self._placement = placement
             self._reset_position(0)
             beacon = self.BEACON_EVERY if self.push is not None else 0
+            self._beacon_every = self.BEACON_EVERY
             self._tracker = ProgressTracker(index, len(ids), window, beacon, np.asarray(stream.ranks))
             self._lead = LeadControl(self.LEAD_S, 2 * window + 4 * self.fetch_threads + beacon + 16, self.MAX_LEAD)
             for fid, _ in self._belady.items():
@@ -545,6 +562,10 @@ class DatasetCache:
             self._retire(max(0, tr.trail - 2 * plan.window))
             est = tr.est_pos(now)
             lead = self._lead.entries(tr.rate, now)
+            if self.push is not None:
+                # spacings are powers of two times BEACON_EVERY: sparser beacons are a subset of denser ones
+                self._beacon_every = self._lead.beacon_spacing(tr.rate, now, self.BEACON_EVERY, self.BEACON_MAX)
+                tr.beacon_every = self._beacon_every
             self._lead_target = lead
             target = min(len(plan.ids), int(est) + lead)
             if self._head < self._released:
@@ -625,7 +646,7 @@ class DatasetCache:
         if size < 0:
             return True
         held = self._held(fid)
-        if pos % self.BEACON_EVERY == 0:
+        if pos % self._beacon_every == 0:
             if held < self._beacon_len(size):
                 return True
         elif held < size:
@@ -881,12 +902,9 @@ class DatasetCache:
 
     def _do_push(self, fid: int, pos: int, data: bytes) -> None:
         assert self.push is not None
-        beacon = pos % self.BEACON_EVERY == 0
-        if beacon:
-            part = data[: self._beacon_len(len(data))]
-        else:
-            part = data
         with self._lock:
+            beacon = pos % self._beacon_every == 0
+            part = data[: self._beacon_len(len(data))] if beacon else data
             self._push_queued.discard(fid)
             if 0 <= fid < self.n_files and self._sizes[fid] == len(data) and not self._push_needed(fid, pos):
                 return  # the kernel is believed to hold it already
@@ -954,6 +972,7 @@ class DatasetCache:
                     "repushes": self.repushes,
                     "push_skips": self.push_skips,
                     "page_cache_drops": self.page_cache_drops,
+                    "beacon_every": self._beacon_every,
                 },
                 "divergence": tr.stats() if tr is not None else {"state": "no_plan"},
                 "backend": {"bytes_read": self.backend_bytes, "reads": self.backend_reads,
