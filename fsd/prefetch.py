@@ -12,7 +12,7 @@ Where is the reader?
       ``beacon_every`` files (measured ~0.3-0.4 ms on 2 loaded cores, plus a
       getattr at the file's next open). ``beacon_every`` adapts
       (:meth:`LeadControl.beacon_spacing`): 16, doubled up to 256 while that
-      would still give a beacon every 0.1 s of reading, back to 16 for a second
+      would still give a beacon every 0.25 s of reading, back to 16 for a second
       after pushed pages were lost. Spacings are powers of two times 16, so a
       sparser set of beacons is a subset of a denser one. A file the kernel is
       believed to hold whole cannot be a beacon (a push cannot remove a page);
@@ -300,7 +300,7 @@ class LeadControl:
             self.cap = max(self.min_lead, min(self.cap, int(ahead)) // 2)
             self._last_loss = now
 
-    def beacon_spacing(self, rate: float, now: float, base: int, top: int, period_s: float = 0.1) -> int:
+    def beacon_spacing(self, rate: float, now: float, base: int, top: int, period_s: float = 0.25) -> int:
         """Beacon spacing: *base*, doubled (up to *top*) while beacons would come more often than every
         *period_s* of reading, unless pushed pages were lost in the last second (the page cache cannot
         hold the lead: track closely). A reader the daemon serves (stalls) is seen by its own reads, a

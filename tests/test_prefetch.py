@@ -295,8 +295,9 @@ def test_a_read_never_waits_for_a_push_into_its_own_pages(tmp_path: Path) -> Non
 def test_beacon_spacing_grows_for_a_fast_reader_and_falls_back_after_a_loss() -> None:
     lc = LeadControl(1.0, 64, 1 << 16)
     assert lc.beacon_spacing(0.0, 100.0, 16, 256) == 16  # no rate yet
-    assert lc.beacon_spacing(500.0, 100.0, 16, 256) == 32  # a beacon every 0.1 s of reading at most
-    assert lc.beacon_spacing(1000.0, 100.0, 16, 256) == 64
+    assert lc.beacon_spacing(100.0, 100.0, 16, 256) == 16  # a slow reader: at least a beacon every 0.25 s
+    assert lc.beacon_spacing(500.0, 100.0, 16, 256) == 64
+    assert lc.beacon_spacing(1000.0, 100.0, 16, 256) == 128
     assert lc.beacon_spacing(50000.0, 100.0, 16, 256) == 256
     lc.lost(1000, 100.0)  # the page cache could not hold the lead: track closely for a second
     assert lc.beacon_spacing(50000.0, 100.5, 16, 256) == 16
