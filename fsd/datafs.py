@@ -79,10 +79,15 @@ class DataOperations(pyfuse3.Operations):
         self.fuse_options = ["fsname=fsd-data", "subtype=fsd", "default_permissions"]
         self._dirs: dict[int, _DirHandle] = {}
         self._next_dir_fh = 1
+        # Last stat of every kernel-known inode. The kernel re-asks getattr
+        # after each READ reply (atime invalidation), once per sample file;
+        # answering from here skips the worker-thread hop. The revalidator
+        # drops entries whose backend file changed.
+        self._stats: dict[int, os.stat_result] = {}
 
     # -- lifecycle -------------------------------------------------------
     async def start(self, nursery: trio.Nursery) -> None:
-        """Start background work (control expiry)."""
+        """Start background work (control expiry, backend revalidation)."""
         nursery.start_soon(self.control.expire_loop)
         self.revalidator.start()
 
@@ -146,6 +151,7 @@ class DataOperations(pyfuse3.Operations):
     def _backend_changed(self, ino: int, path: bytes, kind: str) -> None:
         """Revalidator callback (worker thread): drop every cached copy of *path*."""
         log.info("backend %s %s: invalidating", kind, os.fsdecode(path))
+        self._stats.pop(ino, None)
         self.planner.invalidate(path)
         try:
             pyfuse3.invalidate_inode(ino)
@@ -170,6 +176,7 @@ class DataOperations(pyfuse3.Operations):
         st = await self._thread(self._lstat, path)
         ino = self.inodes.ref(path)
         self._observe(ino, path, st)
+        self._stats[ino] = st
         self.planner.note_lookup(path)
         return self._attrs(ino, st)
 
@@ -177,15 +184,19 @@ class DataOperations(pyfuse3.Operations):
         for ino, n in inode_list:
             if not self.control.owns(ino) and self.inodes.forget(ino, n):
                 self.revalidator.forget(ino)
+                self._stats.pop(ino, None)
 
     @fuse_errors
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
         self.counters.op("getattr")
         if self.control.owns(inode):
             return self.control.getattr(inode)
-        path = self.inodes.path(inode)
-        st = await self._thread(self._lstat, path)
-        self._observe(inode, path, st)
+        st = self._stats.get(inode)
+        if st is None:
+            path = self.inodes.path(inode)
+            st = await self._thread(self._lstat, path)
+            self._observe(inode, path, st)
+            self._stats[inode] = st
         return self._attrs(inode, st)
 
     @fuse_errors
