@@ -136,6 +136,7 @@ class CheckpointOperations(pyfuse3.Operations):
         self.wb = WriteBack(self.device_roots, dirty_limit=dirty_limit, chunk_size=chunk_size,
                             threads_per_device=threads_per_device)
         self.meta = MetaStore(self.device_roots, rec.next_seq)
+        self.meta.on_error = self._manifest_error
         self.next_id = rec.next_id
         self.next_fh = FIRST_FH
         self.handles: dict[int, _Handle] = {}
@@ -269,6 +270,14 @@ class CheckpointOperations(pyfuse3.Operations):
         """Write *node*'s manifest on every device (callers hold ``meta.lock``)."""
         await self.meta.publish(self._manifest(node, state), durable=durable)
         node.recorded = True
+
+    def _manifest_error(self, root: Path, exc: OSError) -> None:
+        """A manifest write failed on device *root*: count it there (status names it)."""
+        for dev in self.wb.devices:
+            if dev.root == root:
+                dev.errors += 1
+                dev.last_error = f"{exc.strerror or exc} writing a manifest"
+                log.error("device %d (%s): %s", dev.index, root, dev.last_error)
 
     def _new_node(self, parent: Node, name: bytes, kind: str, mode: int, ctx: Any) -> Node:
         nid = self.next_id
@@ -666,7 +675,14 @@ class CheckpointOperations(pyfuse3.Operations):
             node.modified = True
             self._attach(parent, node)
             # not durable: only lets recovery name the file if a crash cuts it short
-            await self._publish(node, STATE_WRITING, durable=False)
+            try:
+                await self._publish(node, STATE_WRITING, durable=False)
+            except OSError:
+                self._detach(node)  # the create failed: the name must not appear
+                self.nodes.pop(node.id, None)
+                if node.fs is not None:
+                    await self.wb.discard(node.fs)
+                raise
         node.nlookup += 1
         return self._open_handle(node, flags), self._attrs(node)
 

@@ -189,6 +189,8 @@ class MetaStore:
         self.next_seq = next_seq
         self.lock = trio.Lock()
         self.limiter = trio.CapacityLimiter(len(roots))
+        #: called as ``on_error(root, exc)`` for a device that failed a manifest write
+        self.on_error: Callable[[Path, OSError], None] | None = None
         self.publishes = 0
 
     def take_seq(self) -> int:
@@ -208,7 +210,9 @@ class MetaStore:
             try:
                 await trio.to_thread.run_sync(functools.partial(fn, root, *args, **kw), limiter=self.limiter)
             except OSError as e:
-                errs.append(OSError(e.errno, f"{e.strerror} (manifest on {root})"))
+                if self.on_error is not None:
+                    self.on_error(root, e)
+                errs.append(OSError(e.errno, f"{e.strerror} (manifest on {root})", str(root)))
 
         async with trio.open_nursery() as n:
             for r in self.roots:
