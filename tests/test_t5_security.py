@@ -13,13 +13,13 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import make_tree
-from conftest import HangGuard
+from conftest import HangGuard, make_tree
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(120),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount for and switch to another user")]
@@ -193,3 +193,30 @@ def test_plan_files_cannot_escape_dataset_root(tmp_path: Path, mounter) -> None:
         st = m.status()
         assert st["plans_applied"] == 1 and st["files"] == 2
         assert (src / "class01" / "img0002.jpg").read_bytes() == expect
+
+
+def test_checkpoint_mount_cannot_write_outside_its_devices_and_backing_dir(tmp_path: Path, mounter) -> None:
+    """No symlinks or hard links to escape through; drained files land only in the backing dir."""
+    devices = [tmp_path / f"nvme{i}" for i in range(2)]
+    back, mnt, outside = tmp_path / "back", tmp_path / "mnt", tmp_path / "outside"
+    for d in [*devices, back, mnt, outside]:
+        d.mkdir()
+    (outside / "victim").write_text("keep")
+    m = mounter(["--checkpoints", back, "--at", mnt, "--devices", ",".join(map(str, devices)), "--drain"], mnt)
+    for make in (lambda: os.symlink(str(outside / "victim"), mnt / "abs-link"),
+                 lambda: os.symlink("../outside/victim", mnt / "rel-link"),
+                 lambda: os.link(outside / "victim", mnt / "hard")):
+        with pytest.raises(OSError):
+            make()
+    (mnt / "sub").mkdir()
+    (mnt / "sub" / "model.pt").write_bytes(b"x" * 1000)
+    deadline = time.monotonic() + 30
+    while not m.status()["drain"]["drained"]:
+        assert time.monotonic() < deadline, "drain did not finish"
+        time.sleep(0.05)
+    m.close()
+    assert (outside / "victim").read_text() == "keep"
+    assert sorted(os.listdir(outside)) == ["victim"]
+    assert (back / "sub" / "model.pt").read_bytes() == b"x" * 1000
+    everything = {str(p.relative_to(tmp_path)).split("/")[0] for p in tmp_path.rglob("*")}
+    assert everything <= {"nvme0", "nvme1", "back", "mnt", "outside", "fsd-0.log"}
