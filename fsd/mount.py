@@ -147,7 +147,7 @@ async def _trim_heap() -> None:
 async def _main(ops: Any) -> None:
     async with trio.open_nursery() as nursery:
         await ops.start(nursery)
-        nursery.start_soon(_watch_signals, ops, nursery.cancel_scope)
+        nursery.start_soon(_watch_signals)
         nursery.start_soon(_trim_heap)
         await pyfuse3.main()
         # the kernel side went away (fusermount -u): finish background work
@@ -155,27 +155,40 @@ async def _main(ops: Any) -> None:
         nursery.cancel_scope.cancel()
 
 
-async def _watch_signals(ops: Any, scope: trio.CancelScope) -> None:
+async def _watch_signals() -> None:
+    """SIGINT/SIGTERM end the session loop; ``_main`` then stops the work and unmounts."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             log.info("signal %d: unmounting", signum)
-            await ops.stop()
             pyfuse3.terminate()
             return
 
 
+def _daemon_pid(path: Path, timeout: float = 5.0) -> int | None:
+    """The daemon's pid from ``.fsd/status``; None if it does not answer in time."""
+    import json
+    import threading
+
+    out: list[int | None] = [None]
+
+    def read() -> None:
+        try:
+            out[0] = json.loads((path / ".fsd" / "status").read_bytes()).get("pid")
+        except (OSError, ValueError):
+            pass
+
+    t = threading.Thread(target=read, daemon=True)  # a hung daemon must not hang unmount
+    t.start()
+    t.join(timeout)
+    return out[0]
+
+
 def unmount(path: Path, *, lazy: bool = False, timeout: float = 120.0) -> None:
     """Unmount the fsd mount at *path* and wait for its daemon to finish."""
-    path = Path(os.path.realpath(path))
+    path = Path(_resolve_without_entering(path))
     if not fsd_mount_at(path):
         raise FsdError(f"{path} is not an fsd mount")
-    pid = None
-    try:
-        import json
-
-        pid = json.loads((path / ".fsd" / "status").read_bytes()).get("pid")
-    except (OSError, ValueError):
-        pass
+    pid = _daemon_pid(path)
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(path)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
