@@ -94,13 +94,20 @@ class Planner:
         log.info("plan applied: %d files, %d predicted accesses, %.2f s",
                  len(paths), len(stream.file_ids), time.perf_counter() - t0)
 
+    def _planned(self, path: bytes) -> tuple[Any, int] | None:
+        """(cache, file id) of *path* under the active plan, or None."""
+        active = self._active  # one read of the reference: old or new plan, never a mix
+        if active is None:
+            return None
+        fid = active.ids.get(path)
+        return None if fid is None else (active.cache, fid)
+
     def read(self, path: bytes, off: int, size: int) -> bytes:
         """Serve a kernel read of dataset file *path* (worker thread)."""
-        active = self._active
-        if active is not None:
-            fid = active.ids.get(path)
-            if fid is not None:
-                return active.cache.read(fid, off, size)
+        planned = self._planned(path)
+        if planned is not None:
+            cache, fid = planned
+            return cache.read(fid, off, size)
         self._unplanned_reads += 1
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.root_fd)
         try:
@@ -110,19 +117,15 @@ class Planner:
 
     def note_lookup(self, path: bytes) -> None:
         """The kernel looked *path* up (a first open since its dentry expired)."""
-        active = self._active
-        if active is not None:
-            fid = active.ids.get(path)
-            if fid is not None:
-                active.cache.note_lookup(fid)
+        planned = self._planned(path)
+        if planned is not None:
+            planned[0].note_lookup(planned[1])
 
     def invalidate(self, path: bytes) -> None:
         """The backend file at *path* changed or vanished: drop tier copies."""
-        active = self._active
-        if active is not None:
-            fid = active.ids.get(path)
-            if fid is not None:
-                active.cache.invalidate(fid)
+        planned = self._planned(path)
+        if planned is not None:
+            planned[0].invalidate(planned[1])
 
     def status(self) -> dict[str, Any]:
         """Plan and tier status for ``.fsd/status``."""
