@@ -124,6 +124,19 @@ def mounter(tmp_path: Path) -> Iterator:
         m.close()
 
 
+class LenDataset:
+    """A map-style dataset of length n whose items are never fetched (samplers need only len)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
 def make_tree(root: Path, n_classes: int = 3, per_class: int = 5, size: int = 1000) -> None:
     """A small ImageFolder-style tree with varied sizes, a symlink and a nested dir."""
     import random

@@ -17,22 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler, RandomSampler
 
+from conftest import LenDataset
 from fsd.access_stream import (NodeStream, build_node_stream, future_counts, id_dtype, interleave_epoch,
                                next_use, rank_dtype)
 from fsd.plan import Plan, PlanError, parse_plan
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-class _Len(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
 
 
 def _reference(per_rank_epochs: dict[int, list[list[int]]], batch_size: int) -> tuple[list[int], list[int]]:
@@ -61,7 +52,7 @@ def test_distributed_stream_matches_torch_lockstep(n: int, R: int, seed: int, sh
                 ranks=tuple(ranks), shuffle=shuffle, drop_last=drop_last, batch_size=batch)
     per: dict[int, list[list[int]]] = {}
     for r in ranks:
-        s = DistributedSampler(_Len(n), num_replicas=R, rank=r, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        s = DistributedSampler(LenDataset(n), num_replicas=R, rank=r, shuffle=shuffle, seed=seed, drop_last=drop_last)
         per[r] = []
         for e in range(start, epochs):
             s.set_epoch(e)
@@ -86,7 +77,7 @@ def test_window_formula() -> None:
 
 def test_random_stream_carries_generator_across_epochs() -> None:
     n, seed = 57, 11
-    s = RandomSampler(_Len(n), generator=torch.Generator().manual_seed(seed))
+    s = RandomSampler(LenDataset(n), generator=torch.Generator().manual_seed(seed))
     want = [list(s) for _ in range(5)]
     plan = Plan(epochs=5, sampler="random", seed=seed, start_epoch=2, batch_size=8)
     st_ = build_node_stream(plan, n)
@@ -160,7 +151,7 @@ def test_imagenet_1k_scale_node_stream() -> None:
     assert st_.file_ids.size == 90 * 8 * 1252
     assert took < 20.0, took
     # spot-check one rank-epoch against torch
-    s = DistributedSampler(_Len(1_281_167), num_replicas=1024, rank=5, seed=0)
+    s = DistributedSampler(LenDataset(1_281_167), num_replicas=1024, rank=5, seed=0)
     s.set_epoch(89)
     e89 = st_.file_ids[st_.epoch_bounds[89]:st_.epoch_bounds[90]]
     r89 = st_.ranks[st_.epoch_bounds[89]:st_.epoch_bounds[90]]

@@ -13,22 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
+from conftest import LenDataset
 from fsd.plan import Plan, PlanError
 from fsd.sampler import (RandomStream, distributed_epoch, distributed_sizes, epoch_indices, iter_epochs,
                          load_indices)
 
-
-class _Len(torch.utils.data.Dataset):
-    """A dataset of length n whose items are never fetched."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
 
 
 def _dist_plan(R: int, seed: int, shuffle: bool, drop_last: bool, epochs: int = 100) -> Plan:
@@ -37,7 +26,7 @@ def _dist_plan(R: int, seed: int, shuffle: bool, drop_last: bool, epochs: int = 
 
 
 def _torch_dist(n: int, R: int, rank: int, seed: int, shuffle: bool, drop_last: bool, epoch: int) -> list[int]:
-    s = DistributedSampler(_Len(n), num_replicas=R, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    s = DistributedSampler(LenDataset(n), num_replicas=R, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
     s.set_epoch(epoch)
     return list(s)
 
@@ -56,7 +45,7 @@ def test_distributed_matches_torch_explicit(n: int, R: int, shuffle: bool, drop_
             assert got.dtype == np.int64
             assert got.tolist() == want, (n, R, rank, epoch)
     assert distributed_sizes(n, R, drop_last)[0] == len(DistributedSampler(
-        _Len(n), num_replicas=R, rank=0, drop_last=drop_last))
+        LenDataset(n), num_replicas=R, rank=0, drop_last=drop_last))
 
 
 @settings(max_examples=150, deadline=None)
@@ -92,7 +81,7 @@ def test_distributed_seed_plus_epoch_near_top_of_range() -> None:
 
 
 def _torch_random_epochs(n: int, seed: int, epochs: int) -> list[list[int]]:
-    s = RandomSampler(_Len(n), generator=torch.Generator().manual_seed(seed))
+    s = RandomSampler(LenDataset(n), generator=torch.Generator().manual_seed(seed))
     return [list(s) for _ in range(epochs)]
 
 
@@ -126,7 +115,7 @@ def test_sequential_matches_torch() -> None:
     assert [e for e, _ in got] == [1, 2]
     for _, idx in got:
         assert idx.shape == (1, 37)
-        assert idx[0].tolist() == list(SequentialSampler(_Len(37)))
+        assert idx[0].tolist() == list(SequentialSampler(LenDataset(37)))
     assert epoch_indices(plan, 37, 0, 0).dtype == np.int64
 
 
