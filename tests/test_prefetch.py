@@ -172,6 +172,40 @@ class PageCache:
             self._trim()
 
 
+def read_through(cache: DatasetCache, pc: PageCache, ds: object, order: list[int], *,
+                 pause: float = 0.0005, on_pos: object = None) -> tuple[list[int], dict]:
+    """Read *order* like a kernel client behind page cache *pc*: only missing bytes
+    reach ``cache.read``. Checks every byte; returns (positions that reached the
+    daemon, cache stats). ``on_pos(pos)`` runs before each access."""
+    misses: list[int] = []
+    try:
+        for pos, f in enumerate(order):
+            if on_pos is not None:
+                on_pos(pos)  # type: ignore[operator]
+            if f not in pc.known:
+                pc.known.add(f)
+                cache.note_lookup(f)
+            have = pc.get(f)
+            want = ds.data[f]  # type: ignore[attr-defined]
+            if len(have) < len(want):
+                misses.append(pos)
+                have += cache.read(f, len(have), len(want) - len(have))
+                pc.store(f, have)
+            assert have == want
+            time.sleep(pause)
+        return misses, cache.stats()
+    finally:
+        cache.close()
+
+
+def per_epoch(misses: list[int], epoch_len: int = 300, epochs: int = 3) -> list[int]:
+    """Count of *misses* in each epoch."""
+    out = [0] * epochs
+    for pos in misses:
+        out[pos // epoch_len] += 1
+    return out
+
+
 def test_beacons_track_a_reader_behind_the_page_cache(tmp_path: Path) -> None:
     from test_dataset_cache import Dataset
 
@@ -182,23 +216,8 @@ def test_beacons_track_a_reader_behind_the_page_cache(tmp_path: Path) -> None:
     ids = np.concatenate([rng.permutation(300) for _ in range(3)])
     cache.set_plan(NodeStream(ids, np.arange(4) * 300, np.zeros(len(ids), int), 0, 4))
     cache.start()
-    arrived = [0, 0, 0]
-    try:
-        for pos, f in enumerate(local_shuffle(ids.tolist(), 4, 0)):
-            if f not in pc.known:
-                pc.known.add(f)
-                cache.note_lookup(f)
-            have = pc.get(f)
-            want = ds.data[f]
-            if len(have) < len(want):
-                arrived[pos // 300] += 1
-                have += cache.read(f, len(have), len(want) - len(have))
-                pc.store(f, have)
-            assert have == want
-            time.sleep(0.0005)
-        st = cache.stats()
-    finally:
-        cache.close()
+    misses, st = read_through(cache, pc, ds, local_shuffle(ids.tolist(), 4, 0))
+    arrived = per_epoch(misses)
     assert st["divergence"]["state"] == SYNCED and st["divergence"]["divergences"] == 0
     assert st["divergence"]["front"] >= len(ids) - 3 * 16 - 8
     beacons = 300 // DatasetCache.BEACON_EVERY
@@ -218,26 +237,15 @@ def test_pushes_are_redone_when_the_kernel_drops_them(tmp_path: Path) -> None:
     ids = np.concatenate([rng.permutation(300) for _ in range(3)])
     cache.set_plan(NodeStream(ids, np.arange(4) * 300, np.zeros(len(ids), int), 0, 1))
     cache.start()
-    after_drop = 0
-    try:
-        for pos, f in enumerate(ids.tolist()):
-            if pos == 450:
-                time.sleep(0.2)
-                with pc.lock:
-                    pc.files.clear()  # echo 1 > drop_caches
-            if f not in pc.known:
-                pc.known.add(f)
-                cache.note_lookup(f)
-            have = pc.get(f)
-            if len(have) < len(ds.data[f]):
-                after_drop += pos >= 450
-                have += cache.read(f, len(have), len(ds.data[f]) - len(have))
-                pc.store(f, have)
-            assert have == ds.data[f]
-            time.sleep(0.001)
-        st = cache.stats()
-    finally:
-        cache.close()
+
+    def drop_at_450(pos: int) -> None:
+        if pos == 450:
+            time.sleep(0.2)
+            with pc.lock:
+                pc.files.clear()  # echo 1 > drop_caches
+
+    misses, st = read_through(cache, pc, ds, ids.tolist(), pause=0.001, on_pos=drop_at_450)
+    after_drop = sum(pos >= 450 for pos in misses)
     assert st["prefetch"]["push_losses"] >= 1 and st["prefetch"]["repushes"] > 0
     # without the re-push every file of the dropped lead would reach the daemon
     assert after_drop <= 450 // DatasetCache.BEACON_EVERY + 40, (after_drop, st["prefetch"]["push_losses"], st["prefetch"]["repushes"], st["prefetch"]["pushes"])
@@ -323,24 +331,9 @@ def test_files_the_kernel_holds_are_not_pushed_again(tmp_path: Path) -> None:
     ids = np.concatenate([rng.permutation(300) for _ in range(3)])
     cache.set_plan(NodeStream(ids, np.arange(4) * 300, np.zeros(len(ids), int), 0, 4))
     cache.start()
-    arrived = [0, 0, 0]
-    try:
-        for pos, f in enumerate(local_shuffle(ids.tolist(), 4, 0)):
-            pos_now[0] = pos
-            if f not in pc.known:
-                pc.known.add(f)
-                cache.note_lookup(f)
-            have = pc.get(f)
-            want = ds.data[f]
-            if len(have) < len(want):
-                arrived[pos // 300] += 1
-                have += cache.read(f, len(have), len(want) - len(have))
-                pc.store(f, have)
-            assert have == want
-            time.sleep(0.0005)
-        st = cache.stats()
-    finally:
-        cache.close()
+    misses, st = read_through(cache, pc, ds, local_shuffle(ids.tolist(), 4, 0),
+                              on_pos=lambda pos: pos_now.__setitem__(0, pos))
+    arrived = per_epoch(misses)
     assert st["divergence"]["state"] == SYNCED
     assert st["prefetch"]["push_skips"] > 0, st["prefetch"]
     # every file is pushed (or read) once; later epochs re-push none of them
