@@ -66,11 +66,8 @@ def fuse_connection(path: Path) -> int | None:
     return None
 
 
-def abort_connection(path: Path) -> bool:
-    """Abort the FUSE connection of the mount at *path* (frees processes stuck on it)."""
-    conn = fuse_connection(path)
-    if conn is None:
-        return False
+def abort_connection_id(conn: int) -> bool:
+    """Abort FUSE connection *conn*: pending requests fail with ENOTCONN, a hung daemon lets go."""
     ctl = Path("/sys/fs/fuse/connections")
     if not (ctl / str(conn)).exists():
         subprocess.run(["mount", "-t", "fusectl", "none", str(ctl)], capture_output=True)
@@ -78,7 +75,14 @@ def abort_connection(path: Path) -> bool:
         (ctl / str(conn) / "abort").write_text("1")
     except OSError:
         return False
+    log.warning("aborted FUSE connection %d", conn)
     return True
+
+
+def abort_connection(path: Path) -> bool:
+    """Abort the FUSE connection of the mount at *path* (frees processes stuck on it)."""
+    conn = fuse_connection(path)
+    return conn is not None and abort_connection_id(conn)
 
 
 def check_mountpoint(path: Path) -> Path:

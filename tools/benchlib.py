@@ -322,33 +322,18 @@ def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> list[int
 
 
 def fuse_connection(path: Path | str) -> int | None:
-    """The ``/sys/fs/fuse/connections/<N>`` id of the FUSE mount at ``path``, or None.
+    """The FUSE connection id of the mount at ``path`` (mountinfo only: never stats a hung mount)."""
+    from fsd.mount import fuse_connection as _conn
 
-    Reads mountinfo only: no stat() (realpath() would lstat the mount point and hang on a
-    daemon that does not answer). ``path`` must be absolute and free of symlinks.
-    """
-    path = os.path.abspath(path)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            parts = line.split()
-            sep = parts.index("-")
-            if parts[4] == path and parts[sep + 1].startswith("fuse"):
-                return int(parts[2].split(":")[1])
-    return None
+    return _conn(Path(path))
 
 
 def abort_fuse(conn: int) -> bool:
-    """Abort FUSE connection ``conn`` (pending requests fail with ENOTCONN; a hung daemon lets go).
+    """Abort FUSE connection ``conn``; only for connections this process mounted
+    (the id is what :func:`fuse_connection` returned for our own mount point)."""
+    from fsd.mount import abort_connection_id
 
-    Only for connections this process mounted: the id is what :func:`fuse_connection`
-    returned for our own mount point.
-    """
-    f = Path(f"/sys/fs/fuse/connections/{conn}/abort")
-    if not f.exists():
-        return False
-    log.warning("aborting FUSE connection %d", conn)
-    f.write_text("1\n")
-    return True
+    return abort_connection_id(conn)
 
 
 def throughput_series(step_log: Sequence[tuple[float, int]], t0: float, bin_s: float = 1.0) -> tuple[list[float], list[float]]:
