@@ -35,7 +35,6 @@ from typing import Any
 import pyfuse3
 import trio
 
-from fsd import manifest as mf
 from fsd.errors import fuse_errors
 from fsd.manifest import ROOT_ID, STATE_COMPLETE, STATE_WRITING, Manifest, MetaStore
 from fsd.recovery import recover

@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
