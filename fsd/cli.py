@@ -82,7 +82,7 @@ def _setup_logging(verbose: bool, log_file: Path | None) -> None:
     )
 
 
-def _make_ops(args: argparse.Namespace, root_fd: int) -> Any:
+def _make_ops(args: argparse.Namespace, root_fd: int, mountpoint: Path) -> Any:
     if args.data is not None:
         from .datafs import DataOperations
 
@@ -96,6 +96,7 @@ def _make_ops(args: argparse.Namespace, root_fd: int) -> Any:
             fetch_threads=args.fetch_threads,
             attr_timeout=args.attr_timeout,
             revalidate_interval=args.revalidate_interval,
+            mountpoint=mountpoint,
         )
     from .ckptfs import CheckpointOperations
     from .control import ControlDir
@@ -123,7 +124,7 @@ def _mount(args: argparse.Namespace, ready: Callable[[], None] | None) -> None:
         raise FsdError(f"{source} is not a directory")
     mountpoint = mount.check_mountpoint(args.at if args.at is not None else source)
     root_fd = mount.open_dir(source)
-    ops = _make_ops(args, root_fd)
+    ops = _make_ops(args, root_fd, mountpoint)
     options = list(ops.fuse_options) + [f"fsname=fsd:{os.path.realpath(source)}"]
     options = [o for o in options if not o.startswith("fsname=fsd-")]
     if args.allow_other:

@@ -23,6 +23,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from .attr_refresh import AttrRefresher
 from .control import CONTROL_INODE, ControlDir, Counters
 from .errors import fuse_errors
 from .inodes import InodeTable
@@ -55,6 +56,7 @@ class DataOperations(pyfuse3.Operations):
         attr_timeout: float = 300.0,
         revalidate_interval: float = 10.0,
         no_open: bool = NO_OPEN,
+        mountpoint: Path | None = None,
     ) -> None:
         super().__init__()
         self.root_fd = root_fd
@@ -83,15 +85,22 @@ class DataOperations(pyfuse3.Operations):
         # answering from here skips the worker-thread hop. The revalidator
         # drops entries whose backend file changed.
         self._stats: dict[int, os.stat_result] = {}
+        # Entries per directory at its last listing (sizes the attribute refresh).
+        self._dir_sizes: dict[bytes, int] = {}
+        self.refresher = AttrRefresher(mountpoint, self._dir_sizes.get) if mountpoint is not None else None
 
     # -- lifecycle -------------------------------------------------------
     async def start(self, nursery: trio.Nursery) -> None:
         """Start background work (control expiry, backend revalidation)."""
         nursery.start_soon(self.control.expire_loop)
         self.revalidator.start()
+        if self.refresher is not None:
+            self.refresher.start()
 
     async def stop(self) -> None:
         """Stop revalidation and prefetching, close the tiers."""
+        if self.refresher is not None:
+            await trio.to_thread.run_sync(self.refresher.stop)
         await trio.to_thread.run_sync(self.revalidator.stop)
         await trio.to_thread.run_sync(self.planner.close)
 
@@ -102,6 +111,7 @@ class DataOperations(pyfuse3.Operations):
             "no_open_fast_path": self.no_open,
             "inodes": len(self.inodes),
             "revalidate": self.revalidator.status(),
+            "attr_refresh": self.refresher.status() if self.refresher is not None else None,
             **self.planner.status(),
         }
 
@@ -216,13 +226,18 @@ class DataOperations(pyfuse3.Operations):
     def _list_dir(self, path: bytes) -> list[tuple[bytes, os.stat_result]]:
         fd = os.open(path or b".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.root_fd)
         try:
-            names = sorted(os.listdir(fd))
             out = []
-            for name in names:
-                try:
-                    out.append((os.fsencode(name), os.lstat(name, dir_fd=fd)))
-                except FileNotFoundError:
-                    continue  # vanished while listing
+            for name in sorted(os.listdir(fd)):
+                bname = os.fsencode(name)
+                # what getattr answers for a kernel-known inode (the revalidator keeps it fresh)
+                ino = self.inodes.get(_join(path, bname))
+                st = self._stats.get(ino) if ino is not None else None
+                if st is None:
+                    try:
+                        st = os.lstat(name, dir_fd=fd)
+                    except FileNotFoundError:
+                        continue  # vanished while listing
+                out.append((bname, st))
             return out
         finally:
             os.close(fd)
@@ -238,6 +253,7 @@ class DataOperations(pyfuse3.Operations):
         path = self.inodes.path(inode)
         entries = await self._thread(self._list_dir, path)
         self._dirs[fh] = _DirHandle(inode, path, entries)
+        self._dir_sizes[path] = len(entries)
         return fh
 
     @fuse_errors
@@ -281,7 +297,10 @@ class DataOperations(pyfuse3.Operations):
         if self.control.owns(fh):
             return self.control.read(fh, off, size)
         path = self.inodes.path(fh)
-        return await self._thread(self.planner.read, path, off, size, limiter=self.read_limiter)
+        data = await self._thread(self.planner.read, path, off, size, limiter=self.read_limiter)
+        if self.refresher is not None:
+            self.refresher.note_read(path, fh)  # this reply makes the kernel's atime stale
+        return data
 
     @fuse_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:

@@ -187,6 +187,10 @@ def _daemon_pid(path: Path, timeout: float = 5.0) -> int | None:
     return out[0]
 
 
+#: Attempts of a non-lazy unmount that finds the mount busy, 0.2 s apart.
+UNMOUNT_BUSY_RETRIES = 5
+
+
 def unmount(path: Path, *, lazy: bool = False, timeout: float = 120.0) -> None:
     """Unmount the fsd mount at *path* and wait for its daemon to finish."""
     path = Path(_resolve_without_entering(path))
@@ -194,7 +198,11 @@ def unmount(path: Path, *, lazy: bool = False, timeout: float = 120.0) -> None:
         raise FsdError(f"{path} is not an fsd mount")
     pid = _daemon_pid(path)
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(path)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    for _ in range(UNMOUNT_BUSY_RETRIES):
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode == 0 or "busy" not in r.stderr.lower():
+            break
+        time.sleep(0.2)  # briefly busy: e.g. the daemon's own attribute refresh is listing a directory
     if r.returncode != 0:
         raise FsdError(f"cannot unmount {path}: {r.stderr.strip() or 'fusermount3 failed'}")
     if pid:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,24 @@ def test_sigterm_unmounts_cleanly(tmp_path: Path, mounter) -> None:
     m.proc.terminate()
     assert m.proc.wait(30) == 0
     assert not fsd_mount_at(src)
+
+
+def test_reads_do_not_cost_a_getattr_per_file_in_the_next_epoch(tmp_path: Path, mounter) -> None:
+    """After the daemon answered READs, the refresher's readdirplus clears the kernel's stale atime."""
+    src = tmp_path / "src"
+    make_tree(src, n_classes=2, per_class=100, size=5000)
+    m = mounter(["--data", src], src)
+    files = sorted(p for p in src.glob("class*/*.jpg") if p.stat().st_size > 0)
+    for p in files:
+        with open(p, "rb") as f:  # READ replies: the kernel marks each file's atime stale
+            f.read()
+    deadline = time.monotonic() + 10
+    while (m.status()["attr_refresh"]["pending"] or m.status()["attr_refresh"]["refreshed"] < len(files)) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert m.status()["attr_refresh"]["refreshed"] == len(files)
+    a = m.status()["ops"].get("getattr", 0)
+    for p in files:
+        os.stat(p)
+    b = m.status()["ops"].get("getattr", 0)
+    assert b - a < len(files) // 10, (a, b)  # without the refresh: one GETATTR per file
