@@ -93,6 +93,7 @@ class DataOperations(pyfuse3.Operations):
     async def start(self, nursery: trio.Nursery) -> None:
         """Start background work (control expiry, backend revalidation)."""
         nursery.start_soon(self.control.expire_loop)
+        self.planner.preload()
         self.revalidator.start()
         if self.refresher is not None:
             self.refresher.start()

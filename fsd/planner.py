@@ -56,6 +56,22 @@ class Planner:
         self._unplanned_reads = 0
         self._plans_applied = 0
 
+    def preload(self) -> threading.Thread:
+        """Import the planning modules (torch among them) on a thread, before a plan arrives.
+
+        Measured: the first ``apply`` spent ~1 s importing torch while holding the GIL, which
+        stalled the FUSE loop during the job's first epoch. Imported at mount time, it overlaps
+        with the job's own start-up instead."""
+
+        def load() -> None:
+            t0 = time.monotonic()
+            from . import access_stream, dataset_cache  # noqa: F401
+            log.debug("planning modules imported in %.2f s", time.monotonic() - t0)
+
+        t = threading.Thread(target=load, name="fsd-preload", daemon=True)
+        t.start()
+        return t
+
     def apply(self, doc: bytes) -> None:
         """Parse and activate a control document (raises ValueError to refuse)."""
         from .access_stream import build_node_stream
