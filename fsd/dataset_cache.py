@@ -76,6 +76,7 @@ Correctness
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import threading
@@ -90,6 +91,7 @@ import numpy as np
 from fsd.access_stream import NodeStream
 from fsd.backend import Backend
 from fsd.belady import NEVER, BeladyIndex, FileIndex, next_use
+from fsd.memory import page_cache_room
 from fsd.placement import RAM, SSD, compute_placement, first_uses, preference_order
 from fsd.prefetch import DIVERGED, SYNCED, LeadControl, Prefetcher, ProgressTracker, Task
 from fsd.tiers import RamTier, SsdTier
@@ -184,7 +186,18 @@ class DatasetCache:
         self._replan_pos = 0
         self._replanning = False
         self._lead = LeadControl(self.LEAD_S, 64, self.MAX_LEAD)
+        # how far pushes go, halved by losses like the fetch lead but with a small floor: a page cache
+        # smaller than the job's reorder window must not turn every loss into a re-push of the lead
+        self._push_ctl = LeadControl(self.LEAD_S, 16, self.MAX_LEAD)
         self._lead_target = 0
+        self._push_room: int | None = None  # page-cache room for pushes ahead (fsd.memory), re-read every second
+        self._push_room_t = -1.0
+        self._push_lead_target = 0
+        # Pushes go no further than the page cache has room for: accesses at or beyond _push_limit
+        # (a stream position) wait in _deferred, a heap of (position, fid), until the reader nears.
+        self._push_limit = 1 << 62
+        self._deferred: list[tuple[int, int]] = []
+        self.push_deferrals = 0
         # counters
         self.plan_accesses = 0
         self.plan_hits = 0
@@ -246,6 +259,7 @@ class DatasetCache:
             self._beacon_every = self.BEACON_EVERY
             self._tracker = ProgressTracker(index, len(ids), window, beacon, np.asarray(stream.ranks))
             self._lead = LeadControl(self.LEAD_S, 2 * window + 4 * self.fetch_threads + beacon + 16, self.MAX_LEAD)
+            self._push_ctl = LeadControl(self.LEAD_S, max(16, window // 8), self.MAX_LEAD)
             for fid, _ in self._belady.items():
                 k = int(first[fid])
                 if k == NEVER:
@@ -277,6 +291,7 @@ class DatasetCache:
         self._push_pending.clear()
         self._pushed.clear()
         self._push_queued.clear()
+        self._deferred.clear()
         self._repush_from = None
         for fid in list(self._staged):
             if fid not in self._ssd_writing:
@@ -444,6 +459,7 @@ class DatasetCache:
             if new:
                 self._lost_below = self._kseq  # everything pushed (or started) so far is suspect
                 self._lead.lost(self._head - q, now)
+                self._push_ctl.lost(min(self._head, self._push_limit) - q, now)
             self._last_repush = now
             self._repush_from = q + 1
             self._cond.notify_all()
@@ -568,6 +584,14 @@ class DatasetCache:
                 tr.beacon_every = self._beacon_every
             self._lead_target = lead
             target = min(len(plan.ids), int(est) + lead)
+            push_target = target
+            if self.push is not None:
+                # pushes reach as far as the page cache has room; beyond the fetch lead, the head
+                # advances through resident files only (no backend I/O)
+                window = self._push_window(now, plan)
+                self._push_limit = int(est) + window
+                push_target = max(target, min(len(plan.ids), self._push_limit))
+                self._push_lead_target = window
             if self._head < self._released:
                 self._head = self._released
             tasks: list[Task] = []
@@ -579,12 +603,22 @@ class DatasetCache:
                     if fid in self._pushed and fid not in seen and fid not in self._push_queued \
                             and self._held(fid) < self._sizes[fid]:
                         seen.add(fid)
+                        if i >= self._push_limit:
+                            self._defer(i, fid)
+                            continue
                         self._push_queued.add(fid)
                         tasks.append(Task("push", fid, i, plan.gen))
                         self.repushes += 1
                 self._repush_from = None
-            while self._head < target and len(tasks) < 64:
-                t = self._process(self._head)
+            while self._deferred and self._deferred[0][0] < self._push_limit and len(tasks) < 64:
+                i, fid = heapq.heappop(self._deferred)
+                if i < self._released or fid not in self._last_proc or fid in self._push_queued \
+                        or not (self._resident(fid) or fid in self._staged) or not self._push_needed(fid, i):
+                    continue
+                self._push_queued.add(fid)
+                tasks.append(Task("push", fid, i, plan.gen))
+            while self._head < push_target and len(tasks) < 64:
+                t = self._process(self._head, resident_only=self._head >= target)
                 if t == "blocked":
                     break
                 self._head += 1
@@ -592,12 +626,33 @@ class DatasetCache:
                     tasks.append(t)
             return tasks
 
-    def _process(self, i: int, force: bool = False) -> Task | str | None:
+    def _push_window(self, now: float, plan: _Plan) -> int:
+        """Entries ahead of the reader that pushes may cover (lock held).
+
+        Half the page-cache room (:func:`fsd.memory.page_cache_room`) in mean file sizes, within the
+        push cap that losses halve (floor: an eighth of the plan's reorder window); unbounded when
+        the room is unknown."""
+        if now - self._push_room_t >= 1.0:
+            self._push_room = page_cache_room()
+            self._push_room_t = now
+        cap = self._push_ctl.window(now)
+        if self._push_room is None:
+            return cap
+        mean = max(1, self._size_sum // self._size_n) if self._size_n else self.DEFAULT_SIZE_EST
+        return int(max(self._push_ctl.min_lead, min(cap, self._push_room // 2 // mean)))
+
+    def _defer(self, pos: int, fid: int) -> None:
+        """Push *fid* for access *pos* once the reader is within the push window (lock held)."""
+        heapq.heappush(self._deferred, (pos, fid))
+        self.push_deferrals += 1
+
+    def _process(self, i: int, force: bool = False, resident_only: bool = False) -> Task | str | None:
         """Account access *i* and return its task, None, or "blocked" (lock held).
 
         *force*: the reader's own thread will run the fetch (it needs the bytes
         now), so it does not wait for staging room: its buffer is the
-        documented one-file-per-reading-thread extra.
+        documented one-file-per-reading-thread extra. *resident_only*: beyond
+        the fetch lead; an access that needs a backend read is "blocked".
         """
         plan = self._plan
         assert plan is not None
@@ -610,8 +665,12 @@ class DatasetCache:
                 self._belady.set(fid, i)
             if self.push is not None and fid not in self._inflight and (self._resident(fid) or fid in self._staged):
                 if self._push_needed(fid, i):
-                    return Task("push", fid, i, plan.gen)
+                    if i < self._push_limit:
+                        return Task("push", fid, i, plan.gen)
+                    self._defer(i, fid)
             return None
+        if resident_only:
+            return "blocked"
         est = int(self._sizes[fid])
         if est < 0:
             est = max(4096, 2 * self._size_sum // self._size_n) if self._size_n else self.DEFAULT_SIZE_EST
@@ -856,6 +915,9 @@ class DatasetCache:
                     self.overflow_drops += 1
             push = may_push and self.push is not None and plan is not None and last is not None
             push_pos = last if last is not None else t.pos
+            if push and push_pos >= self._push_limit and (fid in self._staged or self._resident(fid)):
+                self._defer(push_pos, fid)
+                push = False
             inf.event.set()
             self._cond.notify_all()
         if ssd_path is not None:
@@ -962,6 +1024,8 @@ class DatasetCache:
                     "lead_entries": round(lead, 1),
                     "lead_s": round(lead / rate, 3) if rate > 0 else None,
                     "lead_target": self._lead_target,
+                    "push_lead_target": self._push_lead_target,
+                    "push_deferrals": self.push_deferrals,
                     "lead_cap": self._lead.cap,
                     "rate_entries_s": round(rate, 1),
                     "stall_s": round(self.stall_s, 4),

@@ -312,17 +312,26 @@ class LeadControl:
             s *= 2
         return s
 
+    def window(self, now: float) -> int:
+        """The cap alone (a lead not sized by rate, e.g. how far pushes go), after its recovery."""
+        self._recover(now)
+        return self.cap
+
     def entries(self, rate: float, now: float) -> int:
         """Target lead in entries."""
+        self._recover(now)
+        if rate <= 0:
+            return min(self.cap, 4 * self.min_lead)
+        return int(min(self.cap, max(self.min_lead, rate * self.base_s * self.boost)))
+
+    def _recover(self, now: float) -> None:
+        """Once a second: decay the stall boost, grow the cap back by 25 % unless a loss was recent."""
         if now - self._last_decay >= 1.0:
             if now - self._last_stall >= 1.0:
                 self.boost = max(1.0, self.boost * 0.9)
             if now - self._last_loss >= 1.0:
                 self.cap = min(self.max_lead, int(self.cap * 1.25) + 1)
             self._last_decay = now
-        if rate <= 0:
-            return min(self.cap, 4 * self.min_lead)
-        return int(min(self.cap, max(self.min_lead, rate * self.base_s * self.boost)))
 
 
 class Prefetcher:

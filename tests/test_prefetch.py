@@ -340,3 +340,56 @@ def test_files_the_kernel_holds_are_not_pushed_again(tmp_path: Path) -> None:
     assert pushes[1] + pushes[2] <= 30, pushes
     assert sum(pushes) <= 300 + 30, pushes
     assert arrived[2] <= 30, arrived
+
+
+def test_pushes_stay_within_the_page_cache_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page cache with room for ~20 files: pushes wait until the reader is near (no push storm)."""
+    import fsd.dataset_cache as dc
+    from test_dataset_cache import Dataset
+
+    ds = Dataset(tmp_path / "data", 300, 3000, 20000)
+    mean = int(ds.sizes.mean())
+    monkeypatch.setattr(dc, "page_cache_room", lambda: 2 * 20 * mean)  # window: room / 2 / mean = 20 entries
+    rng = np.random.default_rng(7)
+    ids = np.concatenate([rng.permutation(300) for _ in range(3)])
+    pos_now = [0]
+    ahead: list[int] = []
+    pc = PageCache(60 * mean)  # later epochs need pushes again
+
+    def push(fid: int, data: bytes) -> bool:
+        ok = pc.push(fid, data)
+        if ok:
+            nxt = np.flatnonzero(ids[pos_now[0]:] == fid)
+            ahead.append(int(nxt[0]) if len(nxt) else 10**6)
+        return ok
+
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=4, push=push)
+    cache.set_plan(NodeStream(ids, np.arange(4) * 300, np.zeros(len(ids), int), 0, 4))
+    cache.start()
+    _, st = read_through(cache, pc, ds, ids.tolist(), on_pos=lambda pos: pos_now.__setitem__(0, pos))
+    assert st["prefetch"]["push_deferrals"] > 0 and st["prefetch"]["push_lead_target"] <= 20, st["prefetch"]
+    assert len(ahead) > 300
+    # the reader's position estimate runs ahead between beacons: allow a beacon spacing of slack
+    assert sorted(ahead)[int(0.95 * len(ahead))] <= 20 + DatasetCache.BEACON_EVERY + 8, sorted(ahead)[-20:]
+
+
+def test_page_cache_room_reads_cgroup_v1_and_v2(tmp_path: Path) -> None:
+    from fsd.memory import cgroup_room
+
+    v1 = tmp_path / "sys" / "memory" / "job"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("1000000\n")
+    (v1 / "memory.usage_in_bytes").write_text("700000\n")
+    (v1 / "memory.stat").write_text("cache 1\ntotal_cache 300000\ntotal_mapped_file 100000\ntotal_rss 400000\n")
+    (tmp_path / "cg1").write_text("5:cpu:/\n4:memory:/job\n0::/\n")
+    # limit - (usage - unmapped cache) = 1000000 - (700000 - 200000)
+    assert cgroup_room(tmp_path / "cg1", tmp_path / "sys") == 500000
+    v2 = tmp_path / "sys2" / "job"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text("2000000\n")
+    (v2 / "memory.current").write_text("1500000\n")
+    (v2 / "memory.stat").write_text("anon 1000000\nfile 500000\nfile_mapped 200000\n")
+    (tmp_path / "cg2").write_text("0::/job\n")
+    assert cgroup_room(tmp_path / "cg2", tmp_path / "sys2") == 2000000 - (1500000 - 300000)
+    (v2 / "memory.max").write_text("max\n")
+    assert cgroup_room(tmp_path / "cg2", tmp_path / "sys2") is None  # no limit: no room figure
