@@ -25,6 +25,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsd.backend import drop_page_cache
+
 log = logging.getLogger(__name__)
 
 
@@ -145,6 +147,7 @@ class SsdTier:
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
+            drop_page_cache(fd)  # the tier is the copy; the page cache is not a second one
         finally:
             os.close(fd)
 
@@ -153,7 +156,10 @@ class SsdTier:
         """Read from a stored copy (raises FileNotFoundError if it was evicted)."""
         fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            return os.pread(fd, max(0, min(size, entry.size - off)), off) if off < entry.size else b""
+            data = os.pread(fd, max(0, min(size, entry.size - off)), off) if off < entry.size else b""
+            if off + len(data) >= entry.size:
+                drop_page_cache(fd)
+            return data
         finally:
             os.close(fd)
 
