@@ -235,6 +235,7 @@ class ControlDir:
             "version": __version__,
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 3),
+            "cpu_s": round(sum(os.times()[:2]), 3),  # the daemon's user + system CPU time
             "ops": dict(self.counters.ops),
             "errors": dict(self.counters.errors),
             "control": {

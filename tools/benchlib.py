@@ -167,6 +167,7 @@ class MemCgroup:
         self.path = MEMCG_ROOT / f"fsd-bench-{tag or uuid.uuid4().hex[:8]}"
         self.peak_rss = 0
         self.peak_cache = 0
+        self.peak_own = 0  # anonymous + mapped files (the members' code): what is not data cache
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
 
@@ -197,6 +198,7 @@ class MemCgroup:
             s = self.stats(peaks=False)
             self.peak_rss = max(self.peak_rss, s.get("total_rss", 0))
             self.peak_cache = max(self.peak_cache, s.get("total_cache", 0))
+            self.peak_own = max(self.peak_own, s.get("total_rss", 0) + s.get("total_mapped_file", 0))
 
     def wrap(self, cmd: Sequence[str]) -> list[str]:
         """``cmd`` prefixed so that it runs inside this cgroup from its first instruction."""
@@ -222,7 +224,7 @@ class MemCgroup:
         with contextlib.suppress(OSError):
             for line in (self.path / "memory.stat").read_text().splitlines():
                 k, v = line.split()
-                if k in ("total_cache", "total_rss", "total_dirty", "total_writeback"):
+                if k in ("total_cache", "total_rss", "total_mapped_file", "total_dirty", "total_writeback"):
                     out[k] = int(v)
         with contextlib.suppress(OSError):
             oom = dict(line.split() for line in (self.path / "memory.oom_control").read_text().splitlines())
@@ -230,6 +232,7 @@ class MemCgroup:
         if peaks:
             out["peak_rss_sampled"] = self.peak_rss
             out["peak_cache_sampled"] = self.peak_cache
+            out["peak_own_sampled"] = self.peak_own
         return out
 
     def close(self) -> None:
