@@ -56,6 +56,14 @@ Pushing
     before the reader gets there (``page_cache_drops``). A wrong belief costs a
     round trip, never bytes: a page the kernel lacks is read through us.
 
+    How far ahead pushes go is bounded by the page cache's room (half of
+    :func:`fsd.memory.page_cache_room`, the daemon's memory cgroup or the
+    machine, in mean file sizes) and by a cap that each loss halves: pushes
+    for accesses beyond that wait in a heap until the reader nears
+    (``push_deferrals``). Pushed further, the kernel reclaims the oldest
+    pushes - the ones needed next - and every loss re-pushed the lead
+    (measured under a memory cgroup: more re-pushes than accesses).
+
 Deadlocks
     ``notify_store`` locks the page-cache pages it fills; a kernel readahead
     holds those locks until its FUSE READ is answered. So the thread that
@@ -630,8 +638,8 @@ class DatasetCache:
         """Entries ahead of the reader that pushes may cover (lock held).
 
         Half the page-cache room (:func:`fsd.memory.page_cache_room`) in mean file sizes, within the
-        push cap that losses halve (floor: an eighth of the plan's reorder window); unbounded when
-        the room is unknown."""
+        push cap that losses halve (floor: an eighth of the plan's reorder window); the cap alone
+        when the room is unknown."""
         if now - self._push_room_t >= 1.0:
             self._push_room = page_cache_room()
             self._push_room_t = now
