@@ -110,6 +110,10 @@ def serve(ops: Any, mountpoint: Path, *, options: list[str], ready: Callable[[],
     *ops* provides ``async start(nursery)`` and ``async stop()``. SIGINT and
     SIGTERM stop the background work, then unmount cleanly.
     """
+    # A signal between the mount appearing and the trio receiver must not kill the daemon with
+    # the mount left behind: remember it, and _watch_signals acts on it first.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda n, _f: _early_signals.append(n))
     try:
         pyfuse3.init(ops, str(mountpoint), options)
     except RuntimeError as e:
@@ -148,10 +152,14 @@ async def _trim_heap() -> None:
         await trio.to_thread.run_sync(libc.malloc_trim, 0, limiter=limiter)
 
 
+#: Signals that arrived before the trio receiver was installed.
+_early_signals: list[int] = []
+
+
 async def _main(ops: Any) -> None:
     async with trio.open_nursery() as nursery:
+        await nursery.start(_watch_signals)
         await ops.start(nursery)
-        nursery.start_soon(_watch_signals)
         nursery.start_soon(_trim_heap)
         await pyfuse3.main()
         # the kernel side went away (fusermount -u): finish background work
@@ -159,9 +167,14 @@ async def _main(ops: Any) -> None:
         nursery.cancel_scope.cancel()
 
 
-async def _watch_signals() -> None:
+async def _watch_signals(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     """SIGINT/SIGTERM end the session loop; ``_main`` then stops the work and unmounts."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        if _early_signals:
+            log.info("signal %d (during start-up): unmounting", _early_signals[0])
+            pyfuse3.terminate()
+            return
         async for signum in signals:
             log.info("signal %d: unmounting", signum)
             pyfuse3.terminate()
