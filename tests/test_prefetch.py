@@ -224,7 +224,8 @@ def test_beacons_track_a_reader_behind_the_page_cache(tmp_path: Path) -> None:
     # later epochs: the reads that reach the daemon are about the beacons, not every file
     for e in (1, 2):
         assert 0.5 * beacons <= arrived[e] <= 0.35 * 300, arrived
-    assert st["prefetch"]["pushes"] > 500
+    # most accesses are pushed (900 in all); losses halve how far pushes go, so not every one
+    assert st["prefetch"]["pushes"] > 400
 
 
 def test_pushes_are_redone_when_the_kernel_drops_them(tmp_path: Path) -> None:
