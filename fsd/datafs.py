@@ -298,7 +298,9 @@ class DataOperations(pyfuse3.Operations):
         if self.control.owns(fh):
             return self.control.read(fh, off, size)
         path = self.inodes.path(fh)
-        data = await self._thread(self.planner.read, path, off, size, limiter=self.read_limiter)
+        data = self.planner.read_resident(path, off, size)  # RAM: answered here, no thread hop
+        if data is None:
+            data = await self._thread(self.planner.read, path, off, size, limiter=self.read_limiter)
         if self.refresher is not None:
             self.refresher.note_read(path, fh)  # this reply makes the kernel's atime stale
         return data

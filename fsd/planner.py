@@ -131,6 +131,11 @@ class Planner:
         finally:
             os.close(fd)
 
+    def read_resident(self, path: bytes, off: int, size: int) -> bytes | None:
+        """:meth:`read` of a planned file held in RAM, without blocking (the FUSE loop); else None."""
+        planned = self._planned(path)
+        return planned[0].read_resident(planned[1], off, size) if planned is not None else None
+
     def note_lookup(self, path: bytes) -> None:
         """The kernel looked *path* up (a first open since its dentry expired)."""
         planned = self._planned(path)

@@ -305,12 +305,16 @@ class LeadControl:
         *period_s* of reading, unless pushed pages were lost in the last second (the page cache cannot
         hold the lead: track closely). A reader the daemon serves (stalls) is seen by its own reads, a
         page-cache-hot one needs only a few round trips a second to be tracked."""
-        if rate <= 0 or now - self._last_loss < 1.0:
+        if rate <= 0 or self.recent_loss(now):
             return base
         s = base
         while 2 * s <= top and 2 * s <= rate * period_s:
             s *= 2
         return s
+
+    def recent_loss(self, now: float) -> bool:
+        """Pushed pages were lost in the last second."""
+        return now - self._last_loss < 1.0
 
     def window(self, now: float) -> int:
         """The cap alone (a lead not sized by rate, e.g. how far pushes go), after its recovery."""
