@@ -192,6 +192,12 @@ class MemCgroup:
         self._sampler = threading.Thread(target=self._sample, name=f"memcg-{self.path.name}", daemon=True)
         self._sampler.start()
 
+    def set_limit(self, limit_bytes: int) -> None:
+        """Change the limit (members stay)."""
+        (self.path / "memory.limit_in_bytes").write_text(f"{int(limit_bytes)}\n")
+        self.limit = int(limit_bytes)
+        log.info("memory cgroup %s limit now %.0f MiB", self.path.name, self.limit / 2**20)
+
     def _sample(self, interval: float = 0.1) -> None:
         """Track peak anonymous (rss) and page-cache usage: max_usage alone cannot split them."""
         while not self._stop.wait(interval):
