@@ -321,3 +321,26 @@ def test_concurrent_readers_stress(ds: Dataset, tmp_path: Path) -> None:
     finally:
         cache.close()
     assert not os.path.exists(st["tiers"]["ssd"]["dir"])
+
+
+def test_read_resident_serves_ram_only_and_otherwise_does_nothing(ds: Dataset) -> None:
+    """The FUSE loop's no-hop path: bytes from RAM or staging, else None with no side effect."""
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=4)
+    stream = epochs_stream(len(ds.paths), 2, seed=3)
+    cache.set_plan(stream)
+    ids = stream.file_ids.tolist()
+    try:
+        before = cache.stats()
+        assert cache.read_resident(ids[0], 0, 10) is None  # nothing fetched yet (prefetcher not started)
+        assert cache.stats() == before  # and nothing was observed or counted
+        cache.start()
+        for pos, f in enumerate(ids):
+            out = cache.read_resident(f, 0, 1 << 20)
+            if out is None:
+                out = cache.read(f, 0, 1 << 20)
+            assert out == ds.data[f], pos
+        st = cache.stats()
+        assert st["divergence"]["state"] == "synced" and st["divergence"]["divergences"] == 0
+        assert st["tiers"]["ram"]["hits"] + st["tiers"]["staging"]["hits"] > len(ids) // 2
+    finally:
+        cache.close()
