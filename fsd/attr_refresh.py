@@ -17,7 +17,9 @@ round trip instead of one per file, and while no reader waits for it.
 
 A directory is listed when its stale files are at least ``1 / ENTRIES_PER_TRIP``
 of its entries (the listing then costs no more round trips than the GETATTRs it
-saves) or when it has more than ``MIN_STALE`` and its size is unknown. No FUSE
+saves) or when it has more than ``MIN_STALE`` and its size is unknown; after
+``AGE_S``, at a quarter of that (the tail of a directory the reader finished
+would otherwise stay stale). No FUSE
 dependency: the listing is a plain ``os.scandir`` of a path, so it is
 unit-testable on any directory.
 """
@@ -40,6 +42,8 @@ class AttrRefresher:
     ENTRIES_PER_TRIP = 32  # readdirplus entries per 4 KiB reply, about
     MIN_STALE = 32  # stale files that justify listing a directory of unknown size
     INTERVAL_S = 0.1  # batching delay between a READ and the listing
+    AGE_S = 1.0  # stale this long: list at AGED_FACTOR times the round trips it saves
+    AGED_FACTOR = 4
 
     def __init__(self, mountpoint: Path, dir_size: Callable[[bytes], int | None], *,
                  interval: float = INTERVAL_S) -> None:
@@ -48,6 +52,7 @@ class AttrRefresher:
         self.interval = interval
         self._lock = threading.Lock()
         self._stale: dict[bytes, set[int]] = {}
+        self._since: dict[bytes, float] = {}  # when each stale set was started
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -62,6 +67,7 @@ class AttrRefresher:
             files = self._stale.get(parent)
             if files is None:
                 files = self._stale[parent] = set()
+                self._since[parent] = time.monotonic()
             if ino in files:
                 return
             files.add(ino)
@@ -70,13 +76,17 @@ class AttrRefresher:
     def _due(self) -> list[tuple[bytes, int]]:
         """Directories worth listing now, with their stale counts (removed from the stale set)."""
         out = []
+        now = time.monotonic()
         with self._lock:
             for d, files in list(self._stale.items()):
                 size = self.dir_size(d)
                 need = self.MIN_STALE if size is None else max(1, size // self.ENTRIES_PER_TRIP)
+                if now - self._since[d] >= self.AGE_S:
+                    need = max(1, need // self.AGED_FACTOR)
                 if len(files) >= need:
                     out.append((d, len(files)))
                     del self._stale[d]
+                    del self._since[d]
         return out
 
     def refresh_once(self) -> int:
@@ -101,7 +111,9 @@ class AttrRefresher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait()
+            with self._lock:
+                pending = bool(self._stale)
+            self._wake.wait(self.AGE_S if pending else None)  # pending: look again once they aged
             self._wake.clear()
             if self._stop.wait(self.interval):
                 break

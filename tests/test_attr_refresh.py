@@ -52,3 +52,13 @@ def test_worker_thread_refreshes_in_the_background(tmp_path: Path) -> None:
         assert r.status()["refreshed"] == 4 and r.status()["listings"] >= 1
     finally:
         r.stop()
+
+
+def test_a_small_remainder_is_listed_once_it_has_aged(tmp_path: Path, monkeypatch) -> None:
+    _tree(tmp_path, 1, 96)
+    r = AttrRefresher(tmp_path, lambda d: 96)
+    r.note_read(b"d0/f0", 1)
+    assert r.refresh_once() == 0  # 1 of 96: not yet worth two readdirplus trips
+    monkeypatch.setattr(AttrRefresher, "AGE_S", 0.0)
+    assert r.refresh_once() == 1  # aged: 1 >= (96 // 32) // 4
+    assert r.status()["pending"] == 0

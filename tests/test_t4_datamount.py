@@ -212,7 +212,7 @@ def test_reads_do_not_cost_a_getattr_per_file_in_the_next_epoch(tmp_path: Path, 
     while (m.status()["attr_refresh"]["pending"] or m.status()["attr_refresh"]["refreshed"] < len(files)) \
             and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert m.status()["attr_refresh"]["refreshed"] == len(files)
+    assert m.status()["attr_refresh"]["refreshed"] >= len(files)
     a = m.status()["ops"].get("getattr", 0)
     for p in files:
         os.stat(p)
