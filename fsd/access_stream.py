@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fsd.belady import next_use as belady_next_use
 from fsd.plan import Plan, PlanError, window_entries
 from fsd.sampler import distributed_epoch, distributed_sizes, iter_epochs, load_indices
 
@@ -144,15 +145,12 @@ def future_counts(stream: NodeStream, from_pos: int = 0, n_files: int | None = N
 
 
 def next_use(stream: NodeStream) -> np.ndarray:
-    """For each position i, the next position holding the same file id, or ``len`` if none (int64)."""
-    ids = stream.file_ids
-    n = ids.size
-    out = np.full(n, n, dtype=np.int64)
-    if n < 2:
-        return out
-    order = np.argsort(ids, kind="stable")  # positions grouped by file, ascending within a file
-    same = ids[order[1:]] == ids[order[:-1]]
-    out[order[:-1][same]] = order[1:][same]
+    """For each position i, the next position holding the same file id, or ``len`` if none (int64).
+
+    :func:`fsd.belady.next_use` with ``len`` instead of its ``NEVER`` (mapped in place: no
+    temporary of the stream's size)."""
+    out = belady_next_use(stream.file_ids)
+    np.minimum(out, stream.file_ids.size, out=out)
     return out
 
 
