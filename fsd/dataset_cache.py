@@ -323,15 +323,9 @@ class DatasetCache:
         worker-thread hop (a progress beacon's READ is one of these)."""
         t0 = time.monotonic()
         with self._cond:
-            d = self.ram.get(file_id)
-            if d is not None:
-                self.ram.hits += 1
-            else:
-                st = self._staged.get(file_id)
-                if st is None:
-                    return None
-                d = st.data
-                self.staged_hits += 1
+            d = self._memory_copy(file_id)
+            if d is None:
+                return None
             gen = self._gen.get(file_id, 0)
             q = self._note_read(file_id, off, t0)
             if q is not None and self._plan is not None and q >= self._head:
@@ -343,6 +337,18 @@ class DatasetCache:
             out = d[off : off + size]
             self._note_served(file_id, gen, off, len(out))
         return out
+
+    def _memory_copy(self, fid: int) -> bytes | None:
+        """The RAM tier's or staging's copy of *fid*, its hit counted; None if neither has it (lock held)."""
+        d = self.ram.get(fid)
+        if d is not None:
+            self.ram.hits += 1
+            return d
+        st = self._staged.get(fid)
+        if st is None:
+            return None
+        self.staged_hits += 1
+        return st.data
 
     def _note_served(self, fid: int, gen: int, off: int, n: int) -> None:
         """The kernel caches what a read returns (keep_cache): extend what it is believed to hold (lock held)."""
@@ -381,20 +387,13 @@ class DatasetCache:
             e = inf = None
             claimed: Task | None = None
             with self._lock:
-                d = self.ram.get(file_id)
-                if d is not None:
-                    self.ram.hits += 1
-                else:
-                    st = self._staged.get(file_id)
-                    if st is not None:
-                        d = st.data
-                        self.staged_hits += 1
-                    else:
-                        e = self.ssd.get(file_id)
-                        inf = self._inflight.get(file_id) if e is None else None
-                        if inf is not None and not inf.started:
-                            inf.started = True  # queued, not begun: do it here rather than wait in line
-                            claimed, inf = inf.task, None
+                d = self._memory_copy(file_id)
+                if d is None:
+                    e = self.ssd.get(file_id)
+                    inf = self._inflight.get(file_id) if e is None else None
+                    if inf is not None and not inf.started:
+                        inf.started = True  # queued, not begun: do it here rather than wait in line
+                        claimed, inf = inf.task, None
             if claimed is not None:
                 self._run_fetch(claimed, may_push=False)
                 waited = True
@@ -609,6 +608,7 @@ class DatasetCache:
         """Next tasks in stream order, up to the lead target."""
         self._maybe_replan()
         dropped = self.push is not None and self._page_cache_dropped(time.monotonic())
+        self._refresh_push_room(time.monotonic())
         with self._lock:
             plan, tr = self._plan, self._tracker
             if dropped:
@@ -682,14 +682,17 @@ class DatasetCache:
         Half the page-cache room (:func:`fsd.memory.page_cache_room`) in mean file sizes, within the
         push cap that losses halve (floor: an eighth of the plan's reorder window); the cap alone
         when the room is unknown."""
-        if now - self._push_room_t >= 1.0:
-            self._push_room = page_cache_room()
-            self._push_room_t = now
         cap = self._push_ctl.window(now)
         if self._push_room is None:
             return cap
         mean = max(1, self._size_sum // self._size_n) if self._size_n else self.DEFAULT_SIZE_EST
         return int(max(self._push_ctl.min_lead, min(cap, self._push_room // 2 // mean)))
+
+    def _refresh_push_room(self, now: float) -> None:
+        """Re-read the page-cache room once a second (coordinator thread, no lock: it reads /proc and cgroupfs)."""
+        if self.push is not None and now - self._push_room_t >= 1.0:
+            self._push_room = page_cache_room()
+            self._push_room_t = now
 
     def _defer(self, pos: int, fid: int) -> None:
         """Push *fid* for access *pos* once the reader is within the push window (lock held)."""
