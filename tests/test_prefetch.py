@@ -207,14 +207,14 @@ def per_epoch(misses: list[int], epoch_len: int = 300, epochs: int = 3) -> list[
 
 
 def test_beacons_track_a_reader_behind_the_page_cache(tmp_path: Path) -> None:
-    from test_dataset_cache import Dataset
+    from test_dataset_cache import Dataset, epochs_stream
 
     ds = Dataset(tmp_path / "data", 300, 3000, 20000)
     pc = PageCache(int(ds.sizes.sum() * 0.6))
     cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 0.5), fetch_threads=4, push=pc.push)
-    rng = np.random.default_rng(3)
-    ids = np.concatenate([rng.permutation(300) for _ in range(3)])
-    cache.set_plan(NodeStream(ids, np.arange(4) * 300, np.zeros(len(ids), int), 0, 4))
+    stream = epochs_stream(300, 3, seed=3, window=4, ranks=1)
+    ids = stream.file_ids
+    cache.set_plan(stream)
     cache.start()
     misses, st = read_through(cache, pc, ds, local_shuffle(ids.tolist(), 4, 0))
     arrived = per_epoch(misses)
@@ -229,14 +229,14 @@ def test_beacons_track_a_reader_behind_the_page_cache(tmp_path: Path) -> None:
 
 
 def test_pushes_are_redone_when_the_kernel_drops_them(tmp_path: Path) -> None:
-    from test_dataset_cache import Dataset
+    from test_dataset_cache import Dataset, epochs_stream
 
     ds = Dataset(tmp_path / "data", 300, 5000, 12000)
     pc = PageCache(int(ds.sizes.sum() * 3))
     cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 1.5), fetch_threads=4, push=pc.push)
-    rng = np.random.default_rng(4)
-    ids = np.concatenate([rng.permutation(300) for _ in range(3)])
-    cache.set_plan(NodeStream(ids, np.arange(4) * 300, np.zeros(len(ids), int), 0, 1))
+    stream = epochs_stream(300, 3, seed=4, window=1, ranks=1)
+    ids = stream.file_ids
+    cache.set_plan(stream)
     cache.start()
 
     def drop_at_450(pos: int) -> None:
@@ -315,7 +315,7 @@ def test_beacon_spacing_grows_for_a_fast_reader_and_falls_back_after_a_loss() ->
 
 def test_files_the_kernel_holds_are_not_pushed_again(tmp_path: Path) -> None:
     """Everything fits: after the first epoch the daemon pushes (almost) nothing, bytes stay right."""
-    from test_dataset_cache import Dataset
+    from test_dataset_cache import Dataset, epochs_stream
 
     ds = Dataset(tmp_path / "data", 300, 3000, 20000)
     pc = PageCache(int(ds.sizes.sum() * 3))
@@ -328,9 +328,9 @@ def test_files_the_kernel_holds_are_not_pushed_again(tmp_path: Path) -> None:
         return ok
 
     cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=4, push=push)
-    rng = np.random.default_rng(5)
-    ids = np.concatenate([rng.permutation(300) for _ in range(3)])
-    cache.set_plan(NodeStream(ids, np.arange(4) * 300, np.zeros(len(ids), int), 0, 4))
+    stream = epochs_stream(300, 3, seed=5, window=4, ranks=1)
+    ids = stream.file_ids
+    cache.set_plan(stream)
     cache.start()
     misses, st = read_through(cache, pc, ds, local_shuffle(ids.tolist(), 4, 0),
                               on_pos=lambda pos: pos_now.__setitem__(0, pos))
@@ -346,13 +346,13 @@ def test_files_the_kernel_holds_are_not_pushed_again(tmp_path: Path) -> None:
 def test_pushes_stay_within_the_page_cache_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A page cache with room for ~20 files: pushes wait until the reader is near (no push storm)."""
     import fsd.dataset_cache as dc
-    from test_dataset_cache import Dataset
+    from test_dataset_cache import Dataset, epochs_stream
 
     ds = Dataset(tmp_path / "data", 300, 3000, 20000)
     mean = int(ds.sizes.mean())
     monkeypatch.setattr(dc, "page_cache_room", lambda: 2 * 20 * mean)  # window: room / 2 / mean = 20 entries
-    rng = np.random.default_rng(7)
-    ids = np.concatenate([rng.permutation(300) for _ in range(3)])
+    stream = epochs_stream(300, 3, seed=7, window=4, ranks=1)
+    ids = stream.file_ids
     pos_now = [0]
     ahead: list[int] = []
     pc = PageCache(60 * mean)  # later epochs need pushes again
@@ -365,7 +365,7 @@ def test_pushes_stay_within_the_page_cache_room(tmp_path: Path, monkeypatch: pyt
         return ok
 
     cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=4, push=push)
-    cache.set_plan(NodeStream(ids, np.arange(4) * 300, np.zeros(len(ids), int), 0, 4))
+    cache.set_plan(stream)
     cache.start()
     _, st = read_through(cache, pc, ds, ids.tolist(), on_pos=lambda pos: pos_now.__setitem__(0, pos))
     assert st["prefetch"]["push_deferrals"] > 0 and st["prefetch"]["push_lead_target"] <= 20, st["prefetch"]
