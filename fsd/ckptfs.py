@@ -224,6 +224,14 @@ class CheckpointOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         return node
 
+    def _child(self, parent: Node, name: bytes) -> Node:
+        """The entry *name* of directory *parent*, or ENOENT."""
+        assert parent.children is not None
+        nid = parent.children.get(name)
+        if nid is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self.nodes[nid]
+
     def _path(self, node: Node) -> str:
         parts: list[bytes] = []
         n = node
@@ -407,10 +415,7 @@ class CheckpointOperations(pyfuse3.Operations):
         elif name == b"..":
             node = self.nodes[parent.parent]
         else:
-            nid = parent.children.get(name)
-            if nid is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            node = self.nodes[nid]
+            node = self._child(parent, name)
         node.nlookup += 1
         return self._attrs(node)
 
@@ -490,11 +495,7 @@ class CheckpointOperations(pyfuse3.Operations):
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         parent = self._dir(parent_inode)
         async with self.meta.lock:
-            assert parent.children is not None
-            nid = parent.children.get(name)
-            if nid is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            node = self.nodes[nid]
+            node = self._child(parent, name)
             if node.children is None:
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
             if node.children:
@@ -507,11 +508,7 @@ class CheckpointOperations(pyfuse3.Operations):
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         parent = self._dir(parent_inode)
         async with self.meta.lock:
-            assert parent.children is not None
-            nid = parent.children.get(name)
-            if nid is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            node = self.nodes[nid]
+            node = self._child(parent, name)
             if node.children is not None:
                 raise pyfuse3.FUSEError(errno.EISDIR)
             if node.recorded:
@@ -530,10 +527,8 @@ class CheckpointOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EPERM)
         src_dir, dst_dir = self._dir(parent_old), self._dir(parent_new)
         assert src_dir.children is not None and dst_dir.children is not None
-        sid = src_dir.children.get(name_old)
-        if sid is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
-        node = self.nodes[sid]
+        node = self._child(src_dir, name_old)
+        sid = node.id
         if node.fs is not None and node.modified and node.fs.error is None:
             # the new name must never show a half-written file: make the data durable first
             await self.wb.sync(node.fs)
