@@ -153,3 +153,16 @@ def make_tree(root: Path, n_classes: int = 3, per_class: int = 5, size: int = 10
     (root / "readme.txt").write_text("not a sample\n")
     os.utime(root / "readme.txt", ns=(1_000_000_000, 2_000_000_000))
     os.chmod(root / "readme.txt", 0o640)
+
+
+def write_until_error(path: Path, mib: int) -> OSError | None:
+    """Write *mib* MiB of random bytes to *path* and fsync; the OSError a writer saw, or None."""
+    try:
+        with open(path, "wb") as f:
+            for _ in range(mib):
+                f.write(os.urandom(1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return e
+    return None

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from conftest import write_until_error
+
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
 
 MiB = 1 << 20
@@ -308,15 +310,7 @@ def test_enospc_reaches_writer_and_status_names_device(ck: Ckpt, mounter: Any, t
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
     try:
         m = mounter(ck.args(), ck.mnt)
-        err = None
-        try:
-            with open(ck.mnt / "huge.pt", "wb") as f:
-                for _ in range(64):
-                    f.write(os.urandom(MiB))
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:
-            err = e
+        err = write_until_error(ck.mnt / "huge.pt", 64)
         assert err is not None and err.errno == errno.ENOSPC
         st = m.status()
         bad = [d for d in st["devices"] if d["errors"]]

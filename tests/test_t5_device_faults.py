@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
 import emulate  # noqa: E402
+from conftest import write_until_error  # noqa: E402
 
 pytestmark = [
     pytest.mark.root,
@@ -66,15 +67,7 @@ def _exercise(m, mnt: Path, emu, devices: list[Path]) -> None:
             os.fsync(f.fileno())
 
         _shutdown(Path(emu.nvme[1]))  # device 1 starts failing
-        err = None
-        try:
-            with open(mnt / "bad.pt", "wb") as f:
-                for _ in range(12):
-                    f.write(os.urandom(MiB))
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:
-            err = e
+        err = write_until_error(mnt / "bad.pt", 12)
         assert err is not None and err.errno == errno.EIO, err
 
         st = m.status()
