@@ -273,6 +273,8 @@ class DataOperations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, name, self._attrs(ino, st), i + 1):
                 self.inodes.forget(ino, 1)
                 break
+            if self.inodes.lookups(ino) == 1:
+                self.planner.note_known(path)  # new to the kernel: a failed push can go now
 
     async def releasedir(self, fh: int) -> None:
         self._dirs.pop(fh, None)

@@ -36,7 +36,8 @@ Pushing
     Staging keeps a transient file until the reader is past its access (a
     beacon's last page and page-cache misses are served from it), which also
     bounds how far ahead pushes go (the page cache is not ours to size); a push that
-    failed (kernel does not know the inode yet) is retried on ``note_lookup``.
+    failed (kernel does not know the inode yet) is retried on ``note_lookup`` or
+    ``note_known`` (a readdirplus reply made the kernel learn it).
     A read at offset 0 of a file that was pushed whole for a pending access
     means the kernel dropped pushed pages (memory pressure, ``drop_caches``):
     the pushes between that position and the head are redone (at most every
@@ -118,6 +119,7 @@ class _Staged:
 class _Inflight:
     reserved: int
     gen: int
+    fill: bool = False  # reserved against free tier room (admitted at once), not staging
     event: threading.Event = field(default_factory=threading.Event)
     started: bool = False  # a thread has claimed the fetch (worker, or a reader that needs it now)
     task: Task | None = None
@@ -147,6 +149,7 @@ class DatasetCache:
     MAX_LEAD = 1 << 16
     FETCH_WAIT_S = 10.0
     DEFAULT_SIZE_EST = 256 << 10
+    FILL_INFLIGHT_PER_THREAD = 2
 
     def __init__(self, backend: Backend, *, ram_bytes: int, ssd_dir: Path | None = None, ssd_bytes: int = 0,
                  fetch_threads: int = 8, push: Callable[[int, bytes], bool] | None = None) -> None:
@@ -163,6 +166,8 @@ class DatasetCache:
         self._belady = BeladyIndex()
         self._staged: dict[int, _Staged] = {}
         self._staging_used = 0  # staged bytes + in-flight reservations
+        self._fill_reserved = 0  # in-flight fill fetches' bytes, against free tier room
+        self._fill_inflight = 0
         self._inflight: dict[int, _Inflight] = {}
         self._ssd_writing: set[int] = set()
         self._gen: dict[int, int] = {}
@@ -171,6 +176,7 @@ class DatasetCache:
         self._size_n = 0
         self._placement = np.zeros(self.n_files, dtype=np.int8)
         self._plan: _Plan | None = None
+        self._plan_ranks = np.zeros(0, dtype=np.int64)
         self._plan_gen = 0
         self._tracker: ProgressTracker | None = None
         self._head = 0
@@ -208,6 +214,7 @@ class DatasetCache:
         self._deferred: list[tuple[int, int]] = []
         self.push_deferrals = 0
         # counters
+        self.fills = 0
         self.plan_accesses = 0
         self.plan_hits = 0
         self.plan_skipped = 0
@@ -262,6 +269,7 @@ class DatasetCache:
             self._plan_gen += 1
             self._plan = _Plan(self._plan_gen, ids, nu, index, window, int(stream.start_epoch),
                                np.asarray(stream.epoch_bounds))
+            self._plan_ranks = np.asarray(stream.ranks)
             self._placement = placement
             self._reset_position(0)
             beacon = self.BEACON_EVERY if self.push is not None else 0
@@ -278,6 +286,14 @@ class DatasetCache:
             self._cond.notify_all()
         log.info("plan %d: %d accesses, %d distinct files, window %d", self._plan_gen, len(ids),
                  int(np.count_nonzero(first != NEVER)), window)
+
+    def follows(self, stream: NodeStream) -> bool:
+        """Whether *stream* is the plan already followed (same accesses, ranks, window and epochs)."""
+        with self._lock:
+            plan = self._plan
+        return (plan is not None and int(stream.window) == plan.window and int(stream.start_epoch) == plan.start_epoch
+                and np.array_equal(plan.ids, stream.file_ids) and np.array_equal(plan.epoch_bounds, stream.epoch_bounds)
+                and np.array_equal(self._plan_ranks, stream.ranks))
 
     def clear_plan(self) -> None:
         """Stop prefetching; serve on demand from tiers and backend."""
@@ -464,11 +480,27 @@ class DatasetCache:
         """The kernel looked *file_id* up: a progress hint, and the moment a failed push can succeed."""
         with self._cond:
             self._observe(file_id, time.monotonic())
-            if file_id in self._push_pending and self._plan is not None:
-                self._push_pending.discard(file_id)
-                last = self._last_proc.get(file_id)
-                if last is not None:
-                    self._prefetcher.submit(Task("push", file_id, last, self._plan.gen))
+            self._retry_push(file_id)
+
+    def note_known(self, file_id: int) -> None:
+        """The kernel learnt *file_id* from a directory listing (readdirplus): not a progress hint,
+        but a failed push can succeed now (a plan written before the job listed the dataset)."""
+        with self._cond:
+            self._retry_push(file_id)
+
+    def _retry_push(self, fid: int) -> None:
+        """Push *fid* again for its pending access if an earlier push failed; beyond the push
+        window it waits like any other push (lock held)."""
+        if fid not in self._push_pending or self._plan is None:
+            return
+        self._push_pending.discard(fid)
+        last = self._last_proc.get(fid)
+        if last is None:
+            return
+        if last >= self._push_limit:
+            self._defer(last, fid)
+        else:
+            self._prefetcher.submit(Task("push", fid, last, self._plan.gen))
 
     def invalidate(self, file_id: int) -> None:
         """The backend file changed: drop every cached copy and discard running fetches."""
@@ -667,8 +699,12 @@ class DatasetCache:
                     continue
                 self._push_queued.add(fid)
                 tasks.append(Task("push", fid, i, plan.gen))
-            while self._head < push_target and len(tasks) < 64:
-                t = self._process(self._head, resident_only=self._head >= target)
+            # Within the fetch lead: everything; up to the push window: resident files (their pushes);
+            # beyond both, while the tiers have free room: fill them (resident files pass, others are
+            # fetched straight into a tier) up to the first access of a file already pending.
+            while self._head < len(plan.ids) and len(tasks) < 64:
+                beyond = self._head >= push_target
+                t = self._process(self._head, fill=self._head >= target, stop_at_repeat=beyond)
                 if t == "blocked":
                     break
                 self._head += 1
@@ -699,17 +735,23 @@ class DatasetCache:
         heapq.heappush(self._deferred, (pos, fid))
         self.push_deferrals += 1
 
-    def _process(self, i: int, force: bool = False, resident_only: bool = False) -> Task | str | None:
+    def _process(self, i: int, force: bool = False, fill: bool = False,
+                 stop_at_repeat: bool = False) -> Task | str | None:
         """Account access *i* and return its task, None, or "blocked" (lock held).
 
         *force*: the reader's own thread will run the fetch (it needs the bytes
         now), so it does not wait for staging room: its buffer is the
-        documented one-file-per-reading-thread extra. *resident_only*: beyond
-        the fetch lead; an access that needs a backend read is "blocked".
+        documented one-file-per-reading-thread extra. *fill*: beyond the fetch
+        lead; a backend read is done only as a fill fetch (:meth:`_fill_room`),
+        else "blocked". Staging full within the lead falls back to a fill fetch
+        too. *stop_at_repeat*: "blocked" at an access of a file that already has
+        one pending (its Belady key would move past its next use).
         """
         plan = self._plan
         assert plan is not None
         fid = int(plan.ids[i])
+        if stop_at_repeat and fid in self._last_proc:
+            return "blocked"
         if self._resident(fid) or fid in self._staged or fid in self._inflight or fid in self._ssd_writing:
             self.plan_accesses += 1
             self.plan_hits += 1
@@ -722,8 +764,6 @@ class DatasetCache:
                         return Task("push", fid, i, plan.gen)
                     self._defer(i, fid)
             return None
-        if resident_only:
-            return "blocked"
         est = int(self._sizes[fid])
         if est < 0:
             est = max(4096, 2 * self._size_sum // self._size_n) if self._size_n else self.DEFAULT_SIZE_EST
@@ -732,17 +772,37 @@ class DatasetCache:
             self.plan_accesses += 1  # too large to prefetch; the reader fetches it
             self.plan_skipped += 1
             return None
+        to_tier = False
         if force:
             est = 0  # read with an unknown size; nothing reserved
-        elif self.staging_cap - self._staging_used < est:
-            return "blocked"
+        elif fill or self.staging_cap - self._staging_used < est:
+            if not self._fill_room(fid, est):
+                return "blocked"
+            to_tier = True
         self.plan_accesses += 1
         self._note_pending(i, fid)
-        self._staging_used += est
-        inf = _Inflight(est, self._gen.get(fid, 0))
+        if to_tier:
+            self._fill_reserved += est
+            self._fill_inflight += 1
+            self.fills += 1
+        else:
+            self._staging_used += est
+        inf = _Inflight(est, self._gen.get(fid, 0), fill=to_tier)
         self._inflight[fid] = inf
         inf.task = Task("fetch", fid, i, plan.gen, est, inf)
         return inf.task
+
+    def _fill_room(self, fid: int, est: int) -> bool:
+        """Whether *fid* may be fetched straight into a tier: one has *est* bytes free beyond
+        what other fill fetches reserved, and few enough are in flight (lock held).
+
+        Filling free room evicts nothing, so it never costs a hit Belady would have; it lets the
+        tiers fill at backend speed from the moment a plan is known (before the job reads, e.g.
+        while it starts up), not only a time lead ahead of the reader. Bounded in flight so that
+        the reader's own fetches and pushes do not queue behind it."""
+        if fid in self._last_proc or self._fill_inflight >= self.FILL_INFLIGHT_PER_THREAD * self.fetch_threads:
+            return False
+        return max(self.ram.free(), self.ssd.free()) - self._fill_reserved >= max(est, 1)
 
     def _beacon_len(self, size: int) -> int:
         """Bytes a beacon push puts in the page cache: all whole pages but the last."""
@@ -925,7 +985,11 @@ class DatasetCache:
             inf = t.ref
             assert isinstance(inf, _Inflight)
             mine = self._inflight.get(fid) is inf and inf.gen == self._gen.get(fid, 0)
-            self._staging_used -= t.reserved
+            if inf.fill:
+                self._fill_reserved -= t.reserved
+                self._fill_inflight -= 1
+            else:
+                self._staging_used -= t.reserved
             if mine:
                 del self._inflight[fid]
             if data is not None:
@@ -950,8 +1014,9 @@ class DatasetCache:
                 nu = plan.index.first_at_or_after(fid, self._head)
             # Admit when the reader has consumed the access (in stream order, exactly Belady's
             # sequence of decisions); deciding now, a lead ahead, measured 10 % fewer hits.
-            lazy = last is not None and self.staging_cap - self._staging_used >= size
-            tier = None if lazy else self._admit(fid, size, nu)
+            lazy = not inf.fill and last is not None and self.staging_cap - self._staging_used >= size
+            # a fill fetch was reserved against free room: kept for its pending access at least
+            tier = None if lazy else self._admit(fid, size, last if inf.fill and last is not None else nu)
             if tier == RAM:
                 self.ram.put(fid, data)
                 self._belady.set(fid, self._key(fid))
@@ -1086,6 +1151,8 @@ class DatasetCache:
                     "lead_target": self._lead_target,
                     "push_lead_target": self._push_lead_target,
                     "push_deferrals": self.push_deferrals,
+                    "fills": self.fills,
+                    "fill_inflight": self._fill_inflight,
                     "lead_cap": self._lead.cap,
                     "rate_entries_s": round(rate, 1),
                     "stall_s": round(self.stall_s, 4),

@@ -41,6 +41,10 @@ class InodeTable:
         """True while the kernel holds at least one lookup on *ino*."""
         return self._lookups.get(ino, 0) > 0
 
+    def lookups(self, ino: int) -> int:
+        """Lookups the kernel holds on *ino*."""
+        return self._lookups.get(ino, 0)
+
     def ref(self, path: bytes) -> int:
         """Inode for *path*, assigned on first use, with one more kernel lookup."""
         with self._lock:

@@ -85,6 +85,13 @@ class Planner:
         stream = build_node_stream(plan, len(paths), root_fd=self.root_fd)
         with self._lock:
             old = self._active
+        if old is not None and old.paths == paths and old.cache.follows(stream):
+            # The same plan again (a launcher wrote it, then the job): keep the readers' tracked
+            # positions and what was staged; starting over would drop staged files.
+            with self._lock:
+                self._plans_applied += 1
+            log.info("plan unchanged: %d files, position kept", len(paths))
+            return
         if old is not None and old.paths == paths:
             old.cache.set_plan(stream)
             new = _Active(plan, paths, old.cache)
@@ -141,6 +148,12 @@ class Planner:
         planned = self._planned(path)
         if planned is not None:
             planned[0].note_lookup(planned[1])
+
+    def note_known(self, path: bytes) -> None:
+        """The kernel learnt *path* from a directory listing (no progress: pending pushes may go)."""
+        planned = self._planned(path)
+        if planned is not None:
+            planned[0].note_known(planned[1])
 
     def invalidate(self, path: bytes) -> None:
         """The backend file at *path* changed or vanished: drop tier copies."""

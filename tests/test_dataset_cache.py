@@ -344,3 +344,116 @@ def test_read_resident_serves_ram_only_and_otherwise_does_nothing(ds: Dataset) -
         assert st["tiers"]["ram"]["hits"] + st["tiers"]["staging"]["hits"] > len(ids) // 2
     finally:
         cache.close()
+
+
+def wait_for(cond, timeout: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_plan_known_before_the_reader_fills_the_tiers(ds: Dataset, tmp_path: Path) -> None:
+    """A plan written before the job starts: the tiers fill at backend speed, the first epoch is all hits."""
+    total = int(ds.sizes.sum())
+    cache = DatasetCache(ds.backend, ram_bytes=total // 4, ssd_dir=tmp_path / "ssd", ssd_bytes=total * 2,
+                         fetch_threads=4)
+    stream = epochs_stream(len(ds.paths), 2, seed=4)
+    cache.set_plan(stream)
+    cache.start()
+    try:
+        with BoundsMonitor(cache) as mon:
+            # nobody reads: staging alone would stop the head after a few files
+            # (the first ones within the lead wait in staging for the reader to consume them)
+            assert wait_for(lambda: len(set(cache.ram.data) | set(cache.ssd.entries) | set(cache._staged))
+                            == len(ds.paths)), cache.stats()
+        assert mon.violations == []
+        st = cache.stats()
+        assert st["prefetch"]["fills"] > 0.8 * len(ds.paths)
+        assert st["backend"]["reads"] == len(ds.paths)
+        for f in stream.file_ids[: len(ds.paths)].tolist():
+            assert read_whole(cache, f, len(ds.data[f])) == ds.data[f]
+        st = cache.stats()
+        assert st["backend"]["reads"] == len(ds.paths) and st["backend"]["demand_reads"] == 0
+        assert st["tiers"]["ssd"]["hits"] > 0
+    finally:
+        cache.close()
+
+
+def test_fill_stops_at_the_first_repeat_and_at_the_room(ds: Dataset, tmp_path: Path) -> None:
+    """Filling runs to the first access of a file already pending (its Belady key must not skip its
+    next use), and evicts nothing: with little room it fills the room and waits for the reader."""
+    total = int(ds.sizes.sum())
+    stream = epochs_stream(len(ds.paths), 2, seed=6)
+    ids = stream.file_ids.tolist()
+    first_repeat = next(i for i, f in enumerate(ids) if f in ids[:i])
+    big = DatasetCache(ds.backend, ram_bytes=total * 2, fetch_threads=4)
+    big.set_plan(stream)
+    big.start()
+    try:
+        assert wait_for(lambda: big.stats()["plan"]["head"] >= first_repeat and
+                        big.stats()["tiers"]["staging"]["inflight"] == 0)
+        time.sleep(0.1)
+        assert big.stats()["plan"]["head"] == first_repeat
+    finally:
+        big.close()
+    small = DatasetCache(ds.backend, ram_bytes=total // 5, ssd_dir=tmp_path / "ssd", ssd_bytes=total // 5,
+                         fetch_threads=4)
+    small.set_plan(stream)
+    small.start()
+    try:
+        assert wait_for(lambda: small.stats()["prefetch"]["fills"] > 0 and small.stats()["prefetch"]["fill_inflight"] == 0)
+        time.sleep(0.3)
+        st = small.stats()
+        assert st["backend"]["reads"] < 0.6 * len(ds.paths)  # stopped: no room left, nobody read
+        assert st["tiers"]["ram"]["bytes"] <= st["tiers"]["ram"]["capacity"]
+        assert st["tiers"]["ssd"]["bytes"] <= st["tiers"]["ssd"]["capacity"]
+        for f in ids:  # and the reader is still served exactly, near the Belady optimum
+            assert read_whole(small, f, len(ds.data[f])) == ds.data[f]
+        st = small.stats()
+        cap = st["tiers"]["ram"]["capacity"] + st["tiers"]["ssd"]["capacity"]
+        assert st["plan"]["hit_rate"] >= 0.95 * optimal_hit_rate(stream.file_ids, ds.sizes, cap)
+    finally:
+        small.close()
+
+
+def test_the_same_plan_again_is_followed_not_restarted(ds: Dataset) -> None:
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum()), fetch_threads=2)
+    a = epochs_stream(len(ds.paths), 2, seed=1)
+    cache.set_plan(a)
+    assert cache.follows(epochs_stream(len(ds.paths), 2, seed=1))
+    assert not cache.follows(epochs_stream(len(ds.paths), 2, seed=2))
+    assert not cache.follows(epochs_stream(len(ds.paths), 2, seed=1, window=16))
+    assert not cache.follows(epochs_stream(len(ds.paths), 3, seed=1))
+    cache.clear_plan()
+    assert not cache.follows(a)
+    cache.close()
+
+
+def test_a_failed_push_goes_when_the_kernel_learns_the_inode(ds: Dataset) -> None:
+    """Fetched before the job listed the dataset, a push fails; the listing (note_known) retries it."""
+    known: set[int] = set()
+    pushed: list[int] = []
+
+    def push(fid: int, data: bytes) -> bool:
+        if fid not in known:
+            return False
+        pushed.append(fid)
+        return True
+
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2, push=push)
+    stream = epochs_stream(len(ds.paths), 1, seed=8)
+    cache.set_plan(stream)
+    cache.start()
+    try:
+        first = int(stream.file_ids[0])
+        assert wait_for(lambda: cache.stats()["prefetch"]["push_failures"] > 0 and first in cache._push_pending)
+        assert first not in pushed
+        known.add(first)
+        cache.note_known(first)
+        assert wait_for(lambda: first in pushed)
+        assert cache.stats()["divergence"]["matched"] == 0  # a listing is not a read: no progress
+    finally:
+        cache.close()

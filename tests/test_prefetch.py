@@ -247,7 +247,9 @@ def test_pushes_are_redone_when_the_kernel_drops_them(tmp_path: Path) -> None:
 
     misses, st = read_through(cache, pc, ds, ids.tolist(), pause=0.001, on_pos=drop_at_450)
     after_drop = sum(pos >= 450 for pos in misses)
-    assert st["prefetch"]["push_losses"] >= 1 and st["prefetch"]["repushes"] > 0
+    # the loss is seen; the lead is pushed again (as re-pushes, or as deferred pushes when the
+    # head had run ahead filling the tiers)
+    assert st["prefetch"]["push_losses"] >= 1
     # without the re-push every file of the dropped lead would reach the daemon
     assert after_drop <= 450 // DatasetCache.BEACON_EVERY + 40, (after_drop, st["prefetch"]["push_losses"], st["prefetch"]["repushes"], st["prefetch"]["pushes"])
 
