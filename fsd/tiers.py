@@ -13,15 +13,23 @@ overshoot, and bytes count from reservation until the data is gone.
   read unlinks the name, so the reader sees ``FileNotFoundError`` (or keeps
   reading the open, still-intact inode) and falls back to the backend. A
   reused name can never serve another file's bytes. The bound is on file
-  bytes (``st_size``); filesystem block rounding is not counted.
+  bytes (``st_size``); filesystem block rounding is not counted. Reads use
+  ``O_DIRECT`` into a per-thread aligned buffer where the filesystem allows
+  it: no page cache is allocated (under a memory cgroup at its limit, each
+  page is a reclaim in the reading thread) and none is dropped afterwards.
+  Measured on the quick benchmark: a 64 kB tier read for a push cost ~100 us
+  of the daemon's CPU buffered (read, then ``POSIX_FADV_DONTNEED``).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import mmap
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,9 +162,19 @@ class SsdTier:
     @staticmethod
     def pread(entry: SsdEntry, off: int, size: int) -> bytes:
         """Read from a stored copy (raises FileNotFoundError if it was evicted)."""
+        n = max(0, min(size, entry.size - off)) if off < entry.size else 0
+        if n == 0:
+            return b""
+        if _direct_ok:
+            try:
+                return _pread_direct(entry.path, off, n)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise  # FileNotFoundError: evicted
+                _no_direct(entry.path, e)
         fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            data = os.pread(fd, max(0, min(size, entry.size - off)), off) if off < entry.size else b""
+            data = os.pread(fd, n, off)
             if off + len(data) >= entry.size:
                 drop_page_cache(fd)
             return data
@@ -173,6 +191,43 @@ class SsdTier:
 
     def stats(self) -> dict:
         return {"bytes": self.used, "capacity": self.capacity, "files": len(self.entries), "hits": self.hits, "misses": self.misses}
+
+
+DIRECT_ALIGN = 4096  # offset, length and buffer alignment of O_DIRECT reads
+_direct_ok = hasattr(os, "O_DIRECT")
+_tls = threading.local()
+
+
+def _no_direct(path: str, e: OSError) -> None:
+    global _direct_ok
+    if _direct_ok:
+        log.info("SSD tier: no O_DIRECT reads under %s (%s); buffered reads", os.path.dirname(path), e)
+    _direct_ok = False
+
+
+def _aligned(size: int) -> mmap.mmap:
+    """This thread's page-aligned read buffer, at least *size* bytes (kept for the next read)."""
+    buf: mmap.mmap | None = getattr(_tls, "buf", None)
+    if buf is None or len(buf) < size:
+        if buf is not None:
+            buf.close()
+        buf = mmap.mmap(-1, max(size, 1 << 16))
+        _tls.buf = buf
+    return buf
+
+
+def _pread_direct(path: str, off: int, n: int) -> bytes:
+    """``n`` bytes at ``off`` of *path*, read with O_DIRECT (aligned around the range)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+    try:
+        lo = off - off % DIRECT_ALIGN
+        hi = -(-(off + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+        buf = _aligned(hi - lo)
+        with memoryview(buf) as view:
+            got = os.preadv(fd, [view[: hi - lo]], lo)
+            return bytes(view[off - lo : max(off - lo, min(got, off - lo + n))])
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: str) -> None:

@@ -54,3 +54,43 @@ def test_ssd_tier_write_read_evict(tmp_path: Path) -> None:
 def test_ssd_tier_disabled_without_dir() -> None:
     t = SsdTier(None, 1 << 20)
     assert t.capacity == 0 and t.reserve(1, 1) is None
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_ssd_tier_reads_direct_or_buffered_byte_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      direct: bool) -> None:
+    """O_DIRECT reads (aligned buffer, unaligned ranges) and the buffered fallback return the same bytes."""
+    import fsd.tiers as tiers
+
+    monkeypatch.setattr(tiers, "_direct_ok", direct)
+    t = SsdTier(tmp_path / "ssd", 1 << 20)
+    data = os.urandom(3 * 4096 + 1234)
+    p = t.reserve(1, len(data))
+    assert p is not None
+    SsdTier.write(p, data)
+    t.commit(1, p, len(data))
+    e = t.get(1)
+    assert e is not None
+    for off, n in [(0, 1 << 20), (0, len(data)), (1, 10), (4095, 2), (4096, 4096), (len(data) - 5, 100),
+                   (len(data), 10), (100, 0)]:
+        assert SsdTier.pread(e, off, n) == data[off : off + n], (off, n)
+    assert tiers._direct_ok is direct  # O_DIRECT worked here (or stayed off)
+    t.close()
+
+
+def test_ssd_tier_falls_back_where_o_direct_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fsd.tiers as tiers
+
+    def refuse(path: str, off: int, n: int) -> bytes:
+        raise OSError(22, "Invalid argument")  # EINVAL: what open(O_DIRECT) says on e.g. old tmpfs
+
+    monkeypatch.setattr(tiers, "_direct_ok", True)
+    monkeypatch.setattr(tiers, "_pread_direct", refuse)
+    t = SsdTier(tmp_path / "ssd", 1 << 20)
+    p = t.reserve(1, 5000)
+    assert p is not None
+    SsdTier.write(p, b"x" * 5000)
+    t.commit(1, p, 5000)
+    assert SsdTier.pread(t.get(1), 10, 20) == b"x" * 20  # type: ignore[arg-type]
+    assert tiers._direct_ok is False
+    t.close()
