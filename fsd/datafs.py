@@ -27,6 +27,7 @@ from .attr_refresh import AttrRefresher
 from .control import CONTROL_INODE, ControlDir, Counters
 from .errors import fuse_errors
 from .inodes import InodeTable
+from .memory import cached_pages
 from .planner import Planner
 from .revalidate import Revalidator, dir_fd_stat
 
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 #: True when the installed pyfuse3 passes the inode as fh in no-open mode.
 NO_OPEN = bool(getattr(pyfuse3, "READ_FH_FALLBACK_INODE", False))
 
+PAGE = 4096
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
@@ -73,7 +75,9 @@ class DataOperations(pyfuse3.Operations):
             ssd_bytes=ssd_bytes,
             fetch_threads=fetch_threads,
             push=self._push,
+            cached=self._cached if mountpoint is not None else None,
         )
+        self.mountpoint = mountpoint
         self.control = ControlDir(self.status, self.planner.apply, counters=self.counters)
         self.revalidator = Revalidator(self.inodes.items, dir_fd_stat(root_fd), self._backend_changed,
                                        interval=revalidate_interval)
@@ -151,6 +155,21 @@ class DataOperations(pyfuse3.Operations):
             log.debug("notify_store(%s) failed: %s", path, e)
             return False
         return True
+
+    def _cached(self, path: str, n: int) -> bool | None:
+        """Whether the kernel page cache holds bytes ``[0, n)`` of *path* (worker threads: it opens the
+        file through this mount; no-open mode sends no OPEN, and a file the kernel knows no LOOKUP,
+        which would count as the reader's progress)."""
+        assert self.mountpoint is not None
+        ino = self.inodes.get(os.fsencode(path))
+        if ino is None or not self.inodes.known_to_kernel(ino):
+            return False  # then it holds no pages of it either
+        fd = os.open(os.path.join(self.mountpoint, path), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            pages = cached_pages(fd, 0, n)
+        finally:
+            os.close(fd)
+        return None if pages is None else pages * PAGE >= n
 
     def _observe(self, ino: int, path: bytes, st: os.stat_result) -> None:
         """Tell the revalidator what the kernel was just told about *path*."""

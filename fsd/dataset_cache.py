@@ -150,9 +150,11 @@ class DatasetCache:
     FETCH_WAIT_S = 10.0
     DEFAULT_SIZE_EST = 256 << 10
     FILL_INFLIGHT_PER_THREAD = 2
+    LOSS_NEAR = 32  # accesses after a lost push that are suspect with it (see _push_lost)
 
     def __init__(self, backend: Backend, *, ram_bytes: int, ssd_dir: Path | None = None, ssd_bytes: int = 0,
-                 fetch_threads: int = 8, push: Callable[[int, bytes], bool] | None = None) -> None:
+                 fetch_threads: int = 8, push: Callable[[int, bytes], bool] | None = None,
+                 cached: Callable[[int, int], bool | None] | None = None) -> None:
         self.backend = backend
         self.n_files = backend.n_files
         self.ram_bytes = int(ram_bytes)
@@ -160,6 +162,7 @@ class DatasetCache:
         self.ram = RamTier(self.ram_bytes - self.staging_cap)
         self.ssd = SsdTier(ssd_dir, ssd_bytes)
         self.push = push
+        self.cached = cached  # (fid, n) -> whether the kernel holds bytes [0, n), None if unknown
         self.fetch_threads = max(1, int(fetch_threads))
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -230,6 +233,7 @@ class DatasetCache:
         self.push_losses = 0
         self.repushes = 0
         self.push_skips = 0
+        self.push_verified = 0
         self.page_cache_drops = 0
         self._closed = False
         self._prefetcher = Prefetcher(self._schedule, self._execute, self._wait, self.fetch_threads)
@@ -384,6 +388,11 @@ class DatasetCache:
             self._lost_below = max(self._lost_below, self._kcover[fid][1] + 1)
         return q
 
+    def _suspect(self, fid: int) -> bool:
+        """Whether *fid* was believed held until a loss made that doubtful (lock held)."""
+        c = self._kcover.get(fid)
+        return c is not None and c[1] < self._lost_below
+
     def _held(self, fid: int) -> int:
         """Bytes from offset 0 of *fid* the kernel page cache is believed to hold (lock held)."""
         c = self._kcover.get(fid)
@@ -500,7 +509,7 @@ class DatasetCache:
         if last >= self._push_limit:
             self._defer(last, fid)
         else:
-            self._prefetcher.submit(Task("push", fid, last, self._plan.gen))
+            self._prefetcher.submit(Task("push", fid, last, self._plan.gen, verify=self._suspect(fid)))
 
     def invalidate(self, file_id: int) -> None:
         """The backend file changed: drop every cached copy and discard running fetches."""
@@ -523,17 +532,28 @@ class DatasetCache:
     def _push_lost(self, q: int, fid: int, now: float) -> None:
         """A pushed file's read reached us: the kernel dropped pushed pages; re-push the lead (lock held).
 
-        A file believed held is a new loss: everything pushed so far becomes suspect and the lead cap
-        is halved. A file already suspect (an earlier loss or a page-cache drop explains it) only
-        re-pushes the suspects ahead that are not re-pushed yet; if its own re-push is queued, the
-        reader merely outran it."""
+        A file believed held is a new loss: everything pushed before it becomes suspect (pushed pages
+        are activated, so reclaim takes them in push order) and the lead cap is halved. A file
+        already suspect (an earlier loss or a page-cache drop explains it) only re-pushes the
+        suspects ahead that are not re-pushed yet; if its own re-push is queued, the reader merely
+        outran it. Suspects the kernel still holds are not pushed again (``_still_held``)."""
         self.push_losses += 1
         new = self._held(fid) > 0
         if not new and fid in self._push_queued:
             return
         if now - self._last_repush >= 0.1:
             if new:
-                self._lost_below = self._kseq  # everything pushed (or started) so far is suspect
+                # Was: everything pushed so far. Under a memory cgroup that re-pushed ~300 files per
+                # loss, most of them still resident. Now: what was pushed before it, and before the
+                # next LOSS_NEAR accesses' pushes (a silent mass drop is found LOSS_NEAR at a time).
+                seq = self._kcover[fid][1]
+                plan = self._plan
+                if plan is not None:
+                    for i in range(q + 1, min(len(plan.ids), q + 1 + self.LOSS_NEAR)):
+                        c = self._kcover.get(int(plan.ids[i]))
+                        if c is not None and c[1] > seq:
+                            seq = c[1]
+                self._lost_below = max(self._lost_below, seq + 1)
                 self._lead.lost(self._head - q, now)
                 self._push_ctl.lost(min(self._head, self._push_limit) - q, now)
             self._last_repush = now
@@ -689,7 +709,7 @@ class DatasetCache:
                             self._defer(i, fid)
                             continue
                         self._push_queued.add(fid)
-                        tasks.append(Task("push", fid, i, plan.gen))
+                        tasks.append(Task("push", fid, i, plan.gen, verify=self._suspect(fid)))
                         self.repushes += 1
                 self._repush_from = None
             while self._deferred and self._deferred[0][0] < self._push_limit and len(tasks) < 64:
@@ -698,7 +718,7 @@ class DatasetCache:
                         or not (self._resident(fid) or fid in self._staged) or not self._push_needed(fid, i):
                     continue
                 self._push_queued.add(fid)
-                tasks.append(Task("push", fid, i, plan.gen))
+                tasks.append(Task("push", fid, i, plan.gen, verify=self._suspect(fid)))
             # Within the fetch lead: everything; up to the push window: resident files (their pushes);
             # beyond both, while the tiers have free room: fill them (resident files pass, others are
             # fetched straight into a tier) up to the first access of a file already pending.
@@ -761,7 +781,7 @@ class DatasetCache:
             if self.push is not None and fid not in self._inflight and (self._resident(fid) or fid in self._staged):
                 if self._push_needed(fid, i):
                     if i < self._push_limit:
-                        return Task("push", fid, i, plan.gen)
+                        return Task("push", fid, i, plan.gen, verify=self._suspect(fid))
                     self._defer(i, fid)
             return None
         est = int(self._sizes[fid])
@@ -1067,6 +1087,9 @@ class DatasetCache:
             plan = self._plan
             if plan is None or plan.gen != t.plan_gen or self._tracker is None or self._tracker.state != SYNCED:
                 return
+        if t.verify and self._still_held(fid, t.pos):
+            return
+        with self._lock:
             data = self.ram.get(fid)
             st = self._staged.get(fid)
             e = self.ssd.get(fid) if data is None and st is None else None
@@ -1080,6 +1103,35 @@ class DatasetCache:
         if data is not None:
             self._do_push(fid, t.pos, data)
 
+    def _still_held(self, fid: int, pos: int) -> bool:
+        """A suspect push: if the kernel still holds what the access needs (cachestat), record that
+        and skip the push. A loss makes every earlier push suspect, but reclaim takes the oldest
+        pages first: most suspects survive."""
+        if self.cached is None:
+            return False
+        with self._lock:
+            size = int(self._sizes[fid]) if 0 <= fid < self.n_files else -1
+            if size <= 0:
+                return False
+            want = self._beacon_len(size) if pos % self._beacon_every == 0 else size
+            seq = self._kseq
+            self._kseq += 1
+            gen = self._gen.get(fid, 0)
+        try:
+            held = want == 0 or self.cached(fid, want)
+        except OSError as e:
+            log.debug("cachestat of file %d: %s", fid, e)
+            return False
+        if not held:
+            return False
+        with self._lock:
+            self.push_verified += 1
+            if gen == self._gen.get(fid, 0) and not self._closed:
+                self._kcover[fid] = (want, seq)
+                if want == size and fid in self._last_proc:
+                    self._pushed[fid] = pos
+        return True
+
     def _do_push(self, fid: int, pos: int, data: bytes) -> None:
         assert self.push is not None
         with self._lock:
@@ -1091,16 +1143,19 @@ class DatasetCache:
             seq = self._kseq  # taken before the push: a loss seen while it runs makes it suspect
             self._kseq += 1
             gen = self._gen.get(fid, 0)
-            activate = not self._push_ctl.recent_loss(time.monotonic())
         ok = True
         if part:
             try:
                 ok = bool(self.push(fid, part))
-                if ok and activate:
-                    # The first read of a freshly stored page activates it (inactive -> active LRU)
-                    # on the reader's path; a second store does that here. Measured on a pushed
-                    # epoch: 48k -> 51-53k files/s, 0.80 -> 0.96 of tmpfs. Not under losses: active
-                    # pages would crowd out what the reader needs next.
+                if ok:
+                    # Activate the pages: a second store marks them accessed. Measured under a
+                    # memory cgroup (bench-data --quick, calibrated caps): without it, ~360
+                    # losses and 6k re-pushes per 4.5k accesses and 3.2 s for 3 epochs; with it,
+                    # 10-25 losses and 2.3-2.5 s. Likely mechanism: a stored page is inactive
+                    # (referenced), so the reader's read is what activates it, and reclaim took
+                    # the pushes not yet read first; activated, they go in push order, consumed
+                    # ones first. It also takes the activation off the reader's path (48k -> 51-53k
+                    # files/s in a pushed epoch).
                     self.push(fid, part)
             except Exception:
                 log.exception("push of file %d failed", fid)
@@ -1162,6 +1217,7 @@ class DatasetCache:
                     "push_losses": self.push_losses,
                     "repushes": self.repushes,
                     "push_skips": self.push_skips,
+                    "push_verified": self.push_verified,
                     "page_cache_drops": self.page_cache_drops,
                     "beacon_every": self._beacon_every,
                 },

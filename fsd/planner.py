@@ -44,6 +44,7 @@ class Planner:
         ssd_bytes: int,
         fetch_threads: int,
         push: Callable[[str, bytes], bool] | None,
+        cached: Callable[[str, int], bool | None] | None = None,
     ) -> None:
         self.root_fd = root_fd
         self.ram_bytes = ram_bytes
@@ -51,6 +52,7 @@ class Planner:
         self.ssd_bytes = ssd_bytes
         self.fetch_threads = fetch_threads
         self.push = push
+        self.cached = cached
         self._lock = threading.Lock()
         self._active: _Active | None = None
         self._unplanned_reads = 0
@@ -97,7 +99,7 @@ class Planner:
             new = _Active(plan, paths, old.cache)
         else:
             backend = Backend(self.root_fd, paths)
-            push = self.push
+            push, cached = self.push, self.cached
             cache = DatasetCache(
                 backend,
                 ram_bytes=self.ram_bytes,
@@ -105,6 +107,7 @@ class Planner:
                 ssd_bytes=self.ssd_bytes,
                 fetch_threads=self.fetch_threads,
                 push=(lambda fid, data: push(paths[fid], data)) if push else None,
+                cached=(lambda fid, n: cached(paths[fid], n)) if cached else None,
             )
             cache.set_plan(stream)
             cache.start()

@@ -93,6 +93,7 @@ class Task:
     plan_gen: int
     reserved: int = 0
     ref: object = None  # the cache's in-flight record of a fetch
+    verify: bool = False  # a push of a suspect file: skipped if the kernel still holds it
 
 
 class ProgressTracker:

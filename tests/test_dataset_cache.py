@@ -16,6 +16,7 @@ from fsd.access_stream import NodeStream
 from fsd.backend import Backend
 from fsd.belady import optimal_hit_rate
 from fsd.dataset_cache import DatasetCache
+from fsd.prefetch import Task
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -455,5 +456,43 @@ def test_a_failed_push_goes_when_the_kernel_learns_the_inode(ds: Dataset) -> Non
         cache.note_known(first)
         assert wait_for(lambda: first in pushed)
         assert cache.stats()["divergence"]["matched"] == 0  # a listing is not a read: no progress
+    finally:
+        cache.close()
+
+
+def test_suspect_pushes_are_verified_not_redone(ds: Dataset) -> None:
+    """After a loss every earlier push is suspect; one the kernel still holds (cachestat) is not pushed again."""
+    held: set[int] = set()
+    pushes: list[int] = []
+
+    def push(fid: int, data: bytes) -> bool:
+        pushes.append(fid)
+        held.add(fid)
+        return True
+
+    def cached(fid: int, n: int) -> bool:
+        return fid in held
+
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2, push=push, cached=cached)
+    stream = epochs_stream(len(ds.paths), 1, seed=9)
+    cache.set_plan(stream)
+    cache.start()
+    try:
+        ids = stream.file_ids.tolist()
+        assert wait_for(lambda: cache.stats()["prefetch"]["pushes"] >= 40)
+        with cache._lock:
+            pushed = [f for f in ids[:60] if f in cache._pushed]
+            cache._lost_below = cache._kseq  # a loss: everything pushed so far is suspect
+            assert all(cache._suspect(f) for f in pushed)
+        lost, kept = pushed[0], pushed[1:6]
+        held.discard(lost)  # the kernel dropped one of them
+        n0 = len(pushes)
+        for f in [lost, *kept]:
+            cache._run_push(Task("push", f, ids.index(f), cache._plan_gen, verify=True))
+        assert pushes[n0:] == [lost, lost]  # only the one it lacks is pushed again (stored twice: activated)
+        st = cache.stats()["prefetch"]
+        assert st["push_verified"] == len(kept)
+        with cache._lock:
+            assert not any(cache._suspect(f) for f in [lost, *kept])  # believed held again
     finally:
         cache.close()
