@@ -82,6 +82,36 @@ def drop_caches() -> bool:
     return True
 
 
+def cold_start(python: str = sys.executable) -> None:
+    """Drop the page cache, then re-read the Python/torch libraries outside any cap.
+
+    Shared library pages are charged to whoever faults them in first; warming them here
+    keeps them out of both halves' memory budget, so the cap is about data and the
+    processes' own memory.
+    """
+    if drop_caches():
+        subprocess.run([python, "-c", "import torch, torch.utils.data, numpy, pyfuse3, trio"], check=True, timeout=120)
+
+
+def train_plan(args: Any) -> dict[str, Any]:
+    """The fsd plan of ``bench-train train``'s sampler (DistributedSampler over all ranks of the node).
+
+    The job script (launcher) writes it before it starts the trainers, and rank 0 writes it
+    again at start-up: the same plan again is a no-op."""
+    return {"seed": args.seed, "epochs": args.epochs, "sampler": "distributed", "num_replicas": args.world_size,
+            "ranks": list(range(args.world_size)), "shuffle": True, "drop_last": False, "order": "imagefolder",
+            "batch_size": args.batch_size, "num_workers": args.num_workers, "prefetch_factor": args.prefetch_factor}
+
+
+def write_plan(data: Path | str, plan: dict[str, Any]) -> None:
+    """Write *plan* to ``DATA/.fsd/control`` (returns once it is active; OSError(EINVAL) if refused)."""
+    fd = os.open(Path(data) / ".fsd" / "control", os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, json.dumps(plan).encode())
+    finally:
+        os.close(fd)
+
+
 # --------------------------------------------------------------------------- dataset
 
 
