@@ -92,11 +92,16 @@ class Mount:
 
     def close(self, timeout: float = 60) -> int | None:
         """Unmount (lazily, then by aborting the connection, if needed) and reap the daemon."""
-        from fsd.mount import abort_connection
+        from fsd.mount import UNMOUNT_BUSY_RETRIES, abort_connection
 
         if self.proc.poll() is None:
             try:
-                subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True, timeout=20)
+                for _ in range(UNMOUNT_BUSY_RETRIES):  # as `fsd unmount`: the daemon's own listing may hold it
+                    r = subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True, text=True,
+                                       timeout=20)
+                    if r.returncode == 0 or "busy" not in r.stderr.lower():
+                        break
+                    time.sleep(0.2)
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 abort_connection(self.mountpoint)  # a deadlocked daemon: free its waiters
