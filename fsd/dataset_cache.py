@@ -11,6 +11,14 @@ Memory
     from SSD for a push and the join buffer of a fetch that outgrew its
     estimate (each <= one file per fetch thread).
 
+Filling ahead
+    Beyond the fetch lead (a time ahead of the reader), the head keeps going
+    while a tier has free room: such a file is fetched straight into its tier
+    (``fills``), evicting nothing, up to the first access of a file that is
+    already pending (its Belady key must stay its next use). A plan written
+    before the job starts is thus staged while the job starts up; with tiers
+    larger than the dataset, the first epoch reads no backend at all.
+
 What is kept (Belady with the known future)
     The prefetcher walks the stream in order. Each access of a file that is
     not resident is a *plan miss* (a backend read); the fetched file waits in
@@ -49,10 +57,15 @@ Pushing
     state, when everything fits, the daemon does nothing while the reader reads
     (a push competes with the reader for the CPUs and costs the reader a
     getattr at the file's next open). A beacon needs only its pages but the
-    last. A loss makes everything pushed so far suspect (re-pushed when needed,
-    once per loss: a suspect file's loss does not re-suspect the fresh
-    re-pushes); an offset-0 read of an older copy makes everything older
-    suspect (LRU); ``invalidate`` forgets the file; ``drop_caches`` is seen in
+    last. Every push stores its bytes twice: the second store activates the
+    pages, so reclaim takes pushes in push order, consumed ones first (stored
+    once, they stay inactive until the reader's read activates them, and the
+    pushes not yet read went first). A loss therefore makes suspect what was
+    pushed before it (and before the next ``LOSS_NEAR`` accesses' pushes), not
+    everything; an offset-0 read of an older copy makes everything older
+    suspect (LRU). A suspect is re-pushed when needed unless ``cachestat(2)``
+    through the mount says the kernel still holds it (``push_verified``);
+    ``invalidate`` forgets the file; ``drop_caches`` is seen in
     ``/proc/vmstat`` (``drop_pagecache``) within 50 ms and re-pushes the lead
     before the reader gets there (``page_cache_drops``). A wrong belief costs a
     round trip, never bytes: a page the kernel lacks is read through us.
