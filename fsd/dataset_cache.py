@@ -164,6 +164,7 @@ class DatasetCache:
     DEFAULT_SIZE_EST = 256 << 10
     FILL_INFLIGHT_PER_THREAD = 2
     LOSS_NEAR = 32  # accesses after a lost push that are suspect with it (see _push_lost)
+    LOSS_BURST, LOSS_BURST_S = 3, 0.1  # this many new losses this fast: a mass drop
 
     def __init__(self, backend: Backend, *, ram_bytes: int, ssd_dir: Path | None = None, ssd_bytes: int = 0,
                  fetch_threads: int = 8, push: Callable[[int, bytes], bool] | None = None,
@@ -209,6 +210,7 @@ class DatasetCache:
         self._kseq = 0
         self._lost_below = 0
         self._push_queued: set[int] = set()  # fids with a re-push task queued (not yet run)
+        self._new_losses: deque[float] = deque()  # times of recent new losses (burst detection)
         self._beacon_every = self.BEACON_EVERY  # current beacon spacing (adaptive, see _schedule)
         self._vmstat: int | None = -1  # last drop_pagecache count (-1: not read yet; None: unavailable)
         self._vmstat_t = 0.0
@@ -545,8 +547,10 @@ class DatasetCache:
     def _push_lost(self, q: int, fid: int, now: float) -> None:
         """A pushed file's read reached us: the kernel dropped pushed pages; re-push the lead (lock held).
 
-        A file believed held is a new loss: everything pushed before it becomes suspect (pushed pages
-        are activated, so reclaim takes them in push order) and the lead cap is halved. A file
+        A file believed held is a new loss: what was pushed before it becomes suspect (pushed pages
+        are activated, so reclaim takes them in push order), and before the next ``LOSS_NEAR``
+        accesses' pushes; ``LOSS_BURST`` new losses within ``LOSS_BURST_S`` are a mass drop that
+        no counter showed: everything pushed so far is suspect. The lead cap is halved. A file
         already suspect (an earlier loss or a page-cache drop explains it) only re-pushes the
         suspects ahead that are not re-pushed yet; if its own re-push is queued, the reader merely
         outran it. Suspects the kernel still holds are not pushed again (``_still_held``)."""
@@ -554,11 +558,18 @@ class DatasetCache:
         new = self._held(fid) > 0
         if not new and fid in self._push_queued:
             return
-        if now - self._last_repush >= 0.1:
-            if new:
-                # Was: everything pushed so far. Under a memory cgroup that re-pushed ~300 files per
-                # loss, most of them still resident. Now: what was pushed before it, and before the
-                # next LOSS_NEAR accesses' pushes (a silent mass drop is found LOSS_NEAR at a time).
+        burst = False
+        if new:
+            # Was: everything pushed so far, on every loss. Under a memory cgroup that re-pushed
+            # ~300 files per loss, most of them still resident.
+            self._new_losses.append(now)
+            while self._new_losses and now - self._new_losses[0] > self.LOSS_BURST_S:
+                self._new_losses.popleft()
+            burst = len(self._new_losses) >= self.LOSS_BURST
+            if burst:
+                self._new_losses.clear()
+                self._lost_below = self._kseq
+            else:
                 seq = self._kcover[fid][1]
                 plan = self._plan
                 if plan is not None:
@@ -567,6 +578,8 @@ class DatasetCache:
                         if c is not None and c[1] > seq:
                             seq = c[1]
                 self._lost_below = max(self._lost_below, seq + 1)
+        if burst or now - self._last_repush >= 0.1:
+            if new:
                 self._lead.lost(self._head - q, now)
                 self._push_ctl.lost(min(self._head, self._push_limit) - q, now)
             self._last_repush = now
