@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -171,3 +171,13 @@ def write_until_error(path: Path, mib: int) -> OSError | None:
     except OSError as e:
         return e
     return None
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 20.0) -> bool:
+    """Poll *cond* every 10 ms until it is true (True) or *timeout* seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False

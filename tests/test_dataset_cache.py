@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import wait_for
 from fsd.access_stream import NodeStream
 from fsd.backend import Backend
 from fsd.belady import optimal_hit_rate
@@ -345,15 +346,6 @@ def test_read_resident_serves_ram_only_and_otherwise_does_nothing(ds: Dataset) -
         assert st["tiers"]["ram"]["hits"] + st["tiers"]["staging"]["hits"] > len(ids) // 2
     finally:
         cache.close()
-
-
-def wait_for(cond, timeout: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_plan_known_before_the_reader_fills_the_tiers(ds: Dataset, tmp_path: Path) -> None:
