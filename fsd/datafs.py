@@ -210,6 +210,7 @@ class DataOperations(pyfuse3.Operations):
         return self._attrs(ino, st)
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        self.counters.ops["forget"] += len(inode_list)  # the kernel dropped inodes (memory pressure)
         for ino, n in inode_list:
             if not self.control.owns(ino) and self.inodes.forget(ino, n):
                 self.revalidator.forget(ino)

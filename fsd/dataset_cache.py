@@ -1113,6 +1113,8 @@ class DatasetCache:
             plan = self._plan
             if plan is None or plan.gen != t.plan_gen or self._tracker is None or self._tracker.state != SYNCED:
                 return
+            if fid in self._push_pending:
+                return  # the kernel did not know it at the last try: note_known/note_lookup pushes it
         if t.verify and self._still_held(fid, t.pos):
             return
         with self._lock:
