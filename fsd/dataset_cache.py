@@ -147,6 +147,7 @@ class _Plan:
     window: int
     start_epoch: int
     epoch_bounds: np.ndarray
+    ranks: np.ndarray
 
 
 class DatasetCache:
@@ -193,7 +194,6 @@ class DatasetCache:
         self._size_n = 0
         self._placement = np.zeros(self.n_files, dtype=np.int8)
         self._plan: _Plan | None = None
-        self._plan_ranks = np.zeros(0, dtype=np.int64)
         self._plan_gen = 0
         self._tracker: ProgressTracker | None = None
         self._head = 0
@@ -287,8 +287,7 @@ class DatasetCache:
         with self._cond:
             self._plan_gen += 1
             self._plan = _Plan(self._plan_gen, ids, nu, index, window, int(stream.start_epoch),
-                               np.asarray(stream.epoch_bounds))
-            self._plan_ranks = np.asarray(stream.ranks)
+                               np.asarray(stream.epoch_bounds), np.asarray(stream.ranks))
             self._placement = placement
             self._reset_position(0)
             beacon = self.BEACON_EVERY if self.push is not None else 0
@@ -312,7 +311,7 @@ class DatasetCache:
             plan = self._plan
         return (plan is not None and int(stream.window) == plan.window and int(stream.start_epoch) == plan.start_epoch
                 and np.array_equal(plan.ids, stream.file_ids) and np.array_equal(plan.epoch_bounds, stream.epoch_bounds)
-                and np.array_equal(self._plan_ranks, stream.ranks))
+                and np.array_equal(plan.ranks, stream.ranks))
 
     def clear_plan(self) -> None:
         """Stop prefetching; serve on demand from tiers and backend."""
@@ -859,7 +858,10 @@ class DatasetCache:
 
         A beacon needs its pages but the last; if the kernel is believed to hold the whole file, the
         beacon is given up (pushing cannot remove the last page), not re-pushed. A file believed held
-        whole counts as pushed for this access (a read at offset 0 of it is a loss)."""
+        whole counts as pushed for this access (a read at offset 0 of it is a loss). A file whose last
+        push found the inode unknown to the kernel waits for ``note_known``/``note_lookup``."""
+        if fid in self._push_pending:
+            return False
         size = int(self._sizes[fid])
         if size < 0:
             return True
@@ -1113,8 +1115,6 @@ class DatasetCache:
             plan = self._plan
             if plan is None or plan.gen != t.plan_gen or self._tracker is None or self._tracker.state != SYNCED:
                 return
-            if fid in self._push_pending:
-                return  # the kernel did not know it at the last try: note_known/note_lookup pushes it
         if t.verify and self._still_held(fid, t.pos):
             return
         with self._lock:
