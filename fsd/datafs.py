@@ -27,7 +27,7 @@ from .attr_refresh import AttrRefresher
 from .control import CONTROL_INODE, ControlDir, Counters
 from .errors import fuse_errors
 from .inodes import InodeTable
-from .memory import cached_pages
+from .memory import cached_pages, drop_cached
 from .planner import Planner
 from .revalidate import Revalidator, dir_fd_stat
 
@@ -76,6 +76,7 @@ class DataOperations(pyfuse3.Operations):
             fetch_threads=fetch_threads,
             push=self._push,
             cached=self._cached if mountpoint is not None else None,
+            drop=self._drop if mountpoint is not None else None,
         )
         self.mountpoint = mountpoint
         self.control = ControlDir(self.status, self.planner.apply, counters=self.counters)
@@ -170,6 +171,15 @@ class DataOperations(pyfuse3.Operations):
         finally:
             os.close(fd)
         return None if pages is None else pages * PAGE >= n
+
+    def _drop(self, path: str) -> None:
+        """Drop the kernel's page-cache pages of *path* (worker threads; through this mount, see
+        :func:`fsd.memory.drop_cached`; measured ~4 us with open and close)."""
+        assert self.mountpoint is not None
+        ino = self.inodes.get(os.fsencode(path))
+        if ino is None or not self.inodes.known_to_kernel(ino):
+            return  # then it holds no pages of it either
+        drop_cached(os.path.join(self.mountpoint, path))
 
     def _observe(self, ino: int, path: bytes, st: os.stat_result) -> None:
         """Tell the revalidator what the kernel was just told about *path*."""

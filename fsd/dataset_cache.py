@@ -70,13 +70,23 @@ Pushing
     before the reader gets there (``page_cache_drops``). A wrong belief costs a
     round trip, never bytes: a page the kernel lacks is read through us.
 
-    How far ahead pushes go is bounded by the page cache's room (half of
-    :func:`fsd.memory.page_cache_room`, the daemon's memory cgroup or the
-    machine, in mean file sizes) and by a cap that each loss halves: pushes
-    for accesses beyond that wait in a heap until the reader nears
-    (``push_deferrals``). Pushed further, the kernel reclaims the oldest
+    How far ahead pushes go is bounded by the page cache's room (a quarter,
+    ``PUSH_SHARE``, of :func:`fsd.memory.page_cache_room`, the daemon's memory
+    cgroup or the machine, in mean file sizes) and by a cap that each loss
+    halves: pushes for accesses beyond that wait in a heap until the reader
+    nears (``push_deferrals``). Pushed further, the kernel reclaims the oldest
     pushes - the ones needed next - and every loss re-pushed the lead
     (measured under a memory cgroup: more re-pushes than accesses).
+
+    The same belief is also a tier (:class:`fsd.page_cache.PageCacheTier`,
+    ``page_cache`` in ``stats()``): held files keyed by next use, within
+    ``KERNEL_SHARE`` of the room. A push beyond that first drops (``drop``:
+    ``posix_fadvise(DONTNEED)`` through the mount) the held files used
+    furthest in the future, after the pushed access and not pending, so the
+    page cache keeps what the plan needs soonest rather than what the kernel's
+    LRU keeps (with a new permutation each epoch, next to nothing). Room
+    between the push window and the tier's capacity is what carries hits from
+    one epoch into the next: hence a quarter for pushes, not half.
 
 Deadlocks
     ``notify_store`` locks the page-cache pages it fills; a kernel readahead
@@ -114,6 +124,7 @@ from fsd.access_stream import NodeStream
 from fsd.backend import Backend
 from fsd.belady import NEVER, BeladyIndex, FileIndex, next_use
 from fsd.memory import page_cache_room
+from fsd.page_cache import PageCacheTier
 from fsd.placement import RAM, SSD, compute_placement, first_uses, preference_order
 from fsd.prefetch import DIVERGED, SYNCED, LeadControl, Prefetcher, ProgressTracker, Task
 from fsd.tiers import RamTier, SsdTier
@@ -166,10 +177,14 @@ class DatasetCache:
     FILL_INFLIGHT_PER_THREAD = 2
     LOSS_NEAR = 32  # accesses after a lost push that are suspect with it (see _push_lost)
     LOSS_BURST, LOSS_BURST_S = 3, 0.1  # this many new losses this fast: a mass drop
+    KERNEL_SHARE = 0.8  # of the page-cache room, what the kernel tier (fsd.page_cache) may hold
+    PUSH_SHARE = 0.25  # of the page-cache room, what pushes ahead of the reader may cover
 
     def __init__(self, backend: Backend, *, ram_bytes: int, ssd_dir: Path | None = None, ssd_bytes: int = 0,
                  fetch_threads: int = 8, push: Callable[[int, bytes], bool] | None = None,
-                 cached: Callable[[int, int], bool | None] | None = None) -> None:
+                 cached: Callable[[int, int], bool | None] | None = None,
+                 drop: Callable[[int], None] | None = None,
+                 room: Callable[[], int | None] = page_cache_room) -> None:
         self.backend = backend
         self.n_files = backend.n_files
         self.ram_bytes = int(ram_bytes)
@@ -178,6 +193,8 @@ class DatasetCache:
         self.ssd = SsdTier(ssd_dir, ssd_bytes)
         self.push = push
         self.cached = cached  # (fid, n) -> whether the kernel holds bytes [0, n), None if unknown
+        self.drop = drop  # fid -> drop the kernel's pages of it (the kernel tier's eviction)
+        self.room = room  # page-cache room in bytes (fsd.memory.page_cache_room), None if unknown
         self.fetch_threads = max(1, int(fetch_threads))
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -209,6 +226,9 @@ class DatasetCache:
         self._kcover: dict[int, tuple[int, int]] = {}
         self._kseq = 0
         self._lost_below = 0
+        # The same belief as a tier keyed by next use, bounded below the page-cache room: a push
+        # beyond it drops what is used furthest in the future (fsd.page_cache).
+        self._ktier = PageCacheTier()
         self._push_queued: set[int] = set()  # fids with a re-push task queued (not yet run)
         self._new_losses: deque[float] = deque()  # times of recent new losses (burst detection)
         self._beacon_every = self.BEACON_EVERY  # current beacon spacing (adaptive, see _schedule)
@@ -301,6 +321,8 @@ class DatasetCache:
                     self._evict(fid)
                 else:
                     self._belady.set(fid, k)
+            for fid in self._ktier.files():
+                self._ktier.rekey(fid, int(first[fid]))
             self._cond.notify_all()
         log.info("plan %d: %d accesses, %d distinct files, window %d", self._plan_gen, len(ids),
                  int(np.count_nonzero(first != NEVER)), window)
@@ -389,7 +411,7 @@ class DatasetCache:
         if gen == self._gen.get(fid, 0) and not self._closed:
             held = 0 if off == 0 else self._held(fid)
             if off <= held:
-                self._kcover[fid] = (max(held, off + n), self._kseq)
+                self._kset(fid, max(held, off + n), self._kseq)
                 self._kseq += 1
 
     def _note_read(self, fid: int, off: int, now: float) -> int | None:
@@ -401,6 +423,11 @@ class DatasetCache:
             # an older copy was reclaimed: what was put there before it is gone too (LRU)
             self._lost_below = max(self._lost_below, self._kcover[fid][1] + 1)
         return q
+
+    def _kset(self, fid: int, nbytes: int, seq: int) -> None:
+        """The kernel holds bytes ``[0, nbytes)`` of *fid* since event *seq* (lock held)."""
+        self._kcover[fid] = (nbytes, seq)
+        self._ktier.note(fid, nbytes, self._key(fid))
 
     def _suspect(self, fid: int) -> bool:
         """Whether *fid* was believed held until a loss made that doubtful (lock held)."""
@@ -537,6 +564,7 @@ class DatasetCache:
                 inf.event.set()  # its completion sees the new generation and discards
             self._push_pending.discard(file_id)
             self._kcover.pop(file_id, None)
+            self._ktier.forget(file_id)
             self._pushed.pop(file_id, None)
             if 0 <= file_id < self.n_files and self._sizes[file_id] >= 0:
                 self._size_sum -= int(self._sizes[file_id])
@@ -690,6 +718,7 @@ class DatasetCache:
             plan, tr = self._plan, self._tracker
             if dropped:
                 self._lost_below = self._kseq  # nothing pushed so far is in the page cache any more
+                self._ktier.clear()
                 self.page_cache_drops += 1
             if self._closed or plan is None or tr is None or tr.state != SYNCED:
                 return []
@@ -760,20 +789,25 @@ class DatasetCache:
     def _push_window(self, now: float, plan: _Plan) -> int:
         """Entries ahead of the reader that pushes may cover (lock held).
 
-        Half the page-cache room (:func:`fsd.memory.page_cache_room`) in mean file sizes, within the
+        ``PUSH_SHARE`` of the page-cache room (:func:`fsd.memory.page_cache_room`) in mean file sizes, within the
         push cap that losses halve (floor: an eighth of the plan's reorder window); the cap alone
         when the room is unknown."""
         cap = self._push_ctl.window(now)
         if self._push_room is None:
             return cap
         mean = max(1, self._size_sum // self._size_n) if self._size_n else self.DEFAULT_SIZE_EST
-        return int(max(self._push_ctl.min_lead, min(cap, self._push_room // 2 // mean)))
+        return int(max(self._push_ctl.min_lead, min(cap, self._push_room * self.PUSH_SHARE // mean)))
 
     def _refresh_push_room(self, now: float) -> None:
-        """Re-read the page-cache room once a second (coordinator thread, no lock: it reads /proc and cgroupfs)."""
+        """Re-read the page-cache room once a second and size the kernel tier by it (coordinator thread; the
+        room is read outside the lock: /proc and cgroupfs)."""
         if self.push is not None and now - self._push_room_t >= 1.0:
-            self._push_room = page_cache_room()
-            self._push_room_t = now
+            room = self.room()
+            with self._lock:
+                self._push_room = room
+                self._push_room_t = now
+                cap = int(room * self.KERNEL_SHARE) if room is not None and self.drop is not None else None
+                self._ktier.capacity = cap
 
     def _defer(self, pos: int, fid: int) -> None:
         """Push *fid* for access *pos* once the reader is within the push window (lock held)."""
@@ -902,6 +936,7 @@ class DatasetCache:
                     self._evict(fid)
                 else:
                     self._belady.set(fid, k)
+            self._ktier.rekey(fid, k)
             if fid in self._staged and fid not in self._ssd_writing:
                 self._admit_staged(fid, k)
 
@@ -1155,7 +1190,7 @@ class DatasetCache:
         with self._lock:
             self.push_verified += 1
             if gen == self._gen.get(fid, 0) and not self._closed:
-                self._kcover[fid] = (want, seq)
+                self._kset(fid, want, seq)
                 if want == size and fid in self._last_proc:
                     self._pushed[fid] = pos
         return True
@@ -1168,9 +1203,19 @@ class DatasetCache:
             self._push_queued.discard(fid)
             if 0 <= fid < self.n_files and self._sizes[fid] == len(data) and not self._push_needed(fid, pos):
                 return  # the kernel is believed to hold it already
+            # make room in the kernel tier: drop what is used furthest (after this access, not pending)
+            victims = self._ktier.make_room(fid, len(part), max(pos + 1, self._head)) if part else []
+            for v in victims:
+                self._kcover.pop(v, None)
             seq = self._kseq  # taken before the push: a loss seen while it runs makes it suspect
             self._kseq += 1
             gen = self._gen.get(fid, 0)
+        for v in victims:
+            try:
+                assert self.drop is not None
+                self.drop(v)
+            except Exception:
+                log.exception("dropping the kernel's pages of file %d failed", v)
         ok = True
         if part:
             try:
@@ -1194,7 +1239,7 @@ class DatasetCache:
                 if not beacon and fid in self._last_proc:
                     self._pushed[fid] = pos
                 if part and gen == self._gen.get(fid, 0) and seq >= self._lost_below and not self._closed:
-                    self._kcover[fid] = (len(part), seq)
+                    self._kset(fid, len(part), seq)
             else:
                 self.push_failures += 1
             if not ok:
@@ -1249,6 +1294,7 @@ class DatasetCache:
                     "page_cache_drops": self.page_cache_drops,
                     "beacon_every": self._beacon_every,
                 },
+                "page_cache": self._ktier.stats(),
                 "divergence": tr.stats() if tr is not None else {"state": "no_plan"},
                 "backend": {"bytes_read": self.backend_bytes, "reads": self.backend_reads,
                             "demand_reads": self.demand_reads, "foreign_reads": self.foreign_reads},

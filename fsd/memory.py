@@ -93,6 +93,18 @@ def page_cache_room() -> int | None:
     return min(rooms) if rooms else None
 
 
+def drop_cached(path: str) -> None:
+    """Drop the page-cache pages of the file at *path* (clean, unmapped ones: ``posix_fadvise(DONTNEED)``).
+
+    On a FUSE mount this sends the daemon nothing (no-open mode) and keeps the file's attributes,
+    unlike ``notify_inval_inode``, which also makes the next ``stat`` a GETATTR."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 # cachestat(2), Linux 6.5: page-cache residency of a file range through an fd, without mapping it.
 _SYS_CACHESTAT = 451  # the same number on every architecture (generic syscall table)
 

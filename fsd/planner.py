@@ -45,6 +45,7 @@ class Planner:
         fetch_threads: int,
         push: Callable[[str, bytes], bool] | None,
         cached: Callable[[str, int], bool | None] | None = None,
+        drop: Callable[[str], None] | None = None,
     ) -> None:
         self.root_fd = root_fd
         self.ram_bytes = ram_bytes
@@ -53,6 +54,7 @@ class Planner:
         self.fetch_threads = fetch_threads
         self.push = push
         self.cached = cached
+        self.drop = drop
         self._lock = threading.Lock()
         self._active: _Active | None = None
         self._unplanned_reads = 0
@@ -99,7 +101,7 @@ class Planner:
             new = _Active(plan, paths, old.cache)
         else:
             backend = Backend(self.root_fd, paths)
-            push, cached = self.push, self.cached
+            push, cached, drop = self.push, self.cached, self.drop
             cache = DatasetCache(
                 backend,
                 ram_bytes=self.ram_bytes,
@@ -108,6 +110,7 @@ class Planner:
                 fetch_threads=self.fetch_threads,
                 push=(lambda fid, data: push(paths[fid], data)) if push else None,
                 cached=(lambda fid, n: cached(paths[fid], n)) if cached else None,
+                drop=(lambda fid: drop(paths[fid])) if drop else None,
             )
             cache.set_plan(stream)
             cache.start()

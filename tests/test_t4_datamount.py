@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FSD, make_tree
+from fsd.memory import cached_pages, drop_cached
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(120)]
 
@@ -218,3 +219,36 @@ def test_reads_do_not_cost_a_getattr_per_file_in_the_next_epoch(tmp_path: Path, 
         os.stat(p)
     b = m.status()["ops"].get("getattr", 0)
     assert b - a < len(files) // 10, (a, b)  # without the refresh: one GETATTR per file
+
+
+def test_dropping_a_files_pages_through_the_mount(tmp_path: Path, mounter) -> None:
+    """What the kernel tier's eviction relies on: posix_fadvise(DONTNEED) through the mount drops the
+    kernel's pages of a file without a request to the daemon, and the next read is served right."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(20 * 4096 + 123)
+    (src / "f").write_bytes(data)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mounter(["--data", src, "--at", mnt], mnt)
+    path = mnt / "f"
+    assert path.read_bytes() == data
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        held = cached_pages(fd, 0, len(data))
+        if held is None:
+            pytest.skip("cachestat(2) needs Linux 6.5")
+        assert held == 21
+        def reads() -> int:
+            return json.loads((mnt / ".fsd" / "status").read_text())["ops"].get("read", 0)
+
+        r0 = reads()
+        per_status = reads() - r0  # reading the status file may count itself
+        r1 = reads()
+        drop_cached(str(path))
+        assert cached_pages(fd, 0, len(data)) == 0
+        assert reads() == r1 + per_status  # dropping asked the daemon nothing
+        assert path.read_bytes() == data
+        assert reads() > r1 + 2 * per_status
+    finally:
+        os.close(fd)

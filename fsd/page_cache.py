@@ -1,0 +1,108 @@
+"""The kernel page cache as a tier the daemon sizes and evicts by the plan.
+
+Pushed pages (``notify_store``) and the pages of reads the daemon served stay in
+the kernel page cache until the kernel reclaims them, in roughly the order they
+were put there (LRU). With a new random permutation every epoch LRU keeps
+almost nothing useful. Simulated for the quick benchmark's stream (1500 files,
+2 ranks, 3 epochs) and a page cache of 670 files: LRU misses 1325 and 1312
+accesses of epochs 1 and 2, Belady 830 and 830.
+
+So the daemon keeps its own account of what the kernel holds of each file
+(bytes, keyed by next use) within a capacity set below the page-cache room
+(:func:`fsd.memory.page_cache_room`). A push that would exceed it first drops
+held files used further in the future than the pushed access and not
+pending (the caller drops them with ``posix_fadvise(DONTNEED)`` through the
+mount: pages only, no attribute invalidation, no request to the daemon). If
+that is not enough, the push goes ahead and the kernel's reclaim decides, as
+without this tier: pushes are never held back by a belief.
+
+The account is a belief: the kernel can still reclaim (memory growth of other
+processes between two looks at the room) and a wrong belief costs a round
+trip, never bytes (a page the kernel lacks is read through the daemon).
+Not thread-safe; the dataset cache's lock guards it.
+"""
+
+from __future__ import annotations
+
+from fsd.belady import BeladyIndex
+
+
+class PageCacheTier:
+    """Bytes of each file the kernel page cache is believed to hold, keyed by next use."""
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity  # None: unknown, no bound (the kernel's reclaim decides)
+        self.used = 0
+        self._bytes: dict[int, int] = {}
+        self._index = BeladyIndex()
+        self.drops = 0
+        self.short = 0
+
+    def __contains__(self, fid: int) -> bool:
+        return fid in self._bytes
+
+    def __len__(self) -> int:
+        return len(self._bytes)
+
+    def held(self, fid: int) -> int:
+        """Bytes of *fid* believed held (0 if none)."""
+        return self._bytes.get(fid, 0)
+
+    def files(self) -> list[int]:
+        """The files believed held (a snapshot)."""
+        return list(self._bytes)
+
+    def note(self, fid: int, nbytes: int, key: int) -> None:
+        """The kernel now holds *nbytes* of *fid*, next used at stream position *key*."""
+        self.used += nbytes - self._bytes.get(fid, 0)
+        self._bytes[fid] = nbytes
+        self._index.set(fid, key)
+
+    def rekey(self, fid: int, key: int) -> None:
+        """*fid*'s next use moved to *key* (no-op if it is not held)."""
+        if fid in self._bytes:
+            self._index.set(fid, key)
+
+    def forget(self, fid: int) -> None:
+        """The kernel no longer holds *fid* (or it is being dropped)."""
+        self.used -= self._bytes.pop(fid, 0)
+        self._index.remove(fid)
+
+    def clear(self) -> None:
+        """Everything is gone (``drop_caches``)."""
+        self._bytes.clear()
+        self._index = BeladyIndex()
+        self.used = 0
+
+    def make_room(self, fid: int, nbytes: int, floor: int) -> list[int]:
+        """Files to drop so that *fid* can hold *nbytes*: the furthest used first, only those next used
+        at or after *floor*.
+
+        The victims are forgotten here; the caller drops their pages. If dropping all of them is not
+        enough (``short`` counted), the push goes ahead anyway and the kernel's reclaim decides.
+        """
+        if self.capacity is None:
+            return []
+        over = self.used + nbytes - self._bytes.get(fid, 0) - self.capacity
+        victims: list[int] = []
+        keep: tuple[int, int] | None = None
+        while over > 0:
+            top = self._index.furthest()
+            if top is None or top[1] < floor:
+                self.short += 1
+                break
+            if top[0] == fid:  # the pushed file itself: its note() re-keys it
+                keep = top
+                self._index.remove(fid)
+                continue
+            victims.append(top[0])
+            over -= self._bytes[top[0]]
+            self.forget(top[0])
+        if keep is not None:
+            self._index.set(*keep)
+        self.drops += len(victims)
+        return victims
+
+    def stats(self) -> dict:
+        return {"capacity": self.capacity, "bytes": self.used, "files": len(self._bytes), "drops": self.drops,
+                "short": self.short}
