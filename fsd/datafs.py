@@ -157,15 +157,22 @@ class DataOperations(pyfuse3.Operations):
             return False
         return True
 
-    def _cached(self, path: str, n: int) -> bool | None:
-        """Whether the kernel page cache holds bytes ``[0, n)`` of *path* (worker threads: it opens the
-        file through this mount; no-open mode sends no OPEN, and a file the kernel knows no LOOKUP,
-        which would count as the reader's progress)."""
+    def _through_mount(self, path: str) -> str | None:
+        """*path* through this mount if the kernel knows its inode, else None (then it holds no pages
+        of it either). Opening it there sends no OPEN (no-open mode) and, known, no LOOKUP, which
+        would count as the reader's progress."""
         assert self.mountpoint is not None
         ino = self.inodes.get(os.fsencode(path))
         if ino is None or not self.inodes.known_to_kernel(ino):
-            return False  # then it holds no pages of it either
-        fd = os.open(os.path.join(self.mountpoint, path), os.O_RDONLY | os.O_CLOEXEC)
+            return None
+        return os.path.join(self.mountpoint, path)
+
+    def _cached(self, path: str, n: int) -> bool | None:
+        """Whether the kernel page cache holds bytes ``[0, n)`` of *path* (worker threads)."""
+        mpath = self._through_mount(path)
+        if mpath is None:
+            return False
+        fd = os.open(mpath, os.O_RDONLY | os.O_CLOEXEC)
         try:
             pages = cached_pages(fd, 0, n)
         finally:
@@ -173,13 +180,11 @@ class DataOperations(pyfuse3.Operations):
         return None if pages is None else pages * PAGE >= n
 
     def _drop(self, path: str) -> None:
-        """Drop the kernel's page-cache pages of *path* (worker threads; through this mount, see
-        :func:`fsd.memory.drop_cached`; measured ~4 us with open and close)."""
-        assert self.mountpoint is not None
-        ino = self.inodes.get(os.fsencode(path))
-        if ino is None or not self.inodes.known_to_kernel(ino):
-            return  # then it holds no pages of it either
-        drop_cached(os.path.join(self.mountpoint, path))
+        """Drop the kernel's page-cache pages of *path* (worker threads; :func:`fsd.memory.drop_cached`,
+        measured ~4 us with open and close)."""
+        mpath = self._through_mount(path)
+        if mpath is not None:
+            drop_cached(mpath)
 
     def _observe(self, ino: int, path: bytes, st: os.stat_result) -> None:
         """Tell the revalidator what the kernel was just told about *path*."""
