@@ -530,23 +530,31 @@ class DatasetCache:
         """The kernel looked *file_id* up: a progress hint, and the moment a failed push can succeed."""
         with self._cond:
             self._observe(file_id, time.monotonic())
-            self._retry_push(file_id)
+            self._retry_push(file_id, listed=False)
 
     def note_known(self, file_id: int) -> None:
         """The kernel learnt *file_id* from a directory listing (readdirplus): not a progress hint,
         but a failed push can succeed now (a plan written before the job listed the dataset)."""
         with self._cond:
-            self._retry_push(file_id)
+            self._retry_push(file_id, listed=True)
 
-    def _retry_push(self, fid: int) -> None:
-        """Push *fid* again for its pending access if an earlier push failed; beyond the push
-        window it waits like any other push (lock held)."""
+    def _retry_push(self, fid: int, listed: bool) -> None:
+        """Push *fid* again if an earlier push failed; beyond the push window it waits like any
+        other push (lock held).
+
+        *listed*: a directory listing taught the kernel the inode (a plan written before the job
+        listed the dataset). By then a head running more than an epoch ahead may have scheduled
+        later accesses of the file too; the push is for its next one, not consumed yet (for the
+        last one, it waited past the reader's read). Else a lookup did, just before the read it
+        is for, whose reply fills the page cache: for the last access the head scheduled."""
         if fid not in self._push_pending or self._plan is None:
             return
         self._push_pending.discard(fid)
         last = self._last_proc.get(fid)
         if last is None:
             return
+        if listed:
+            last = min(last, self._plan.index.first_at_or_after(fid, self._released))
         if last >= self._push_limit:
             self._defer(last, fid)
         else:
