@@ -493,9 +493,9 @@ def test_suspect_pushes_are_verified_not_redone(ds: Dataset) -> None:
 
 
 def test_a_retried_push_is_for_the_next_access_not_the_last_one_scheduled(ds: Dataset) -> None:
-    """Pushes fail until the kernel knows the inodes; by then a head running more than an epoch
-    ahead has scheduled a later access of the file too. The retried push is for the access the
-    reader makes next: aimed at the later one, it waited past the reader's read (bench-data: ~700
+    """Pushes fail until the kernel learns the inodes from the job's listing; by then a head
+    running more than an epoch ahead has scheduled a later access of the file too. The retried
+    push is for the access the reader makes next: aimed at the later one, it waited past the reader's read (bench-data: ~700
     of epoch 0's 1500 reads reached the daemon in runs where the job listed the dataset late)."""
     n = len(ds.paths)
     known: set[int] = set()
@@ -511,7 +511,7 @@ def test_a_retried_push_is_for_the_next_access_not_the_last_one_scheduled(ds: Da
                          room=lambda: 1 << 40)
     stream = epochs_stream(n, 3, seed=10)
     ids = stream.file_ids.tolist()
-    pos = next(i for i in range(1, n) if i % cache.BEACON_MAX)  # not a beacon: a whole-file push
+    pos = 1  # not a beacon (those are at multiples of the spacing): a whole-file push
     f = ids[pos]
     later = ids.index(f, n)
     cache.set_plan(stream)
