@@ -428,3 +428,38 @@ def test_the_kernel_tier_keeps_what_is_used_soonest(tmp_path: Path) -> None:
     assert tier_st["bytes"] <= room
     assert pushes <= 0.9 * lru_pushes, runs  # seen: 0.71-0.81
     assert misses <= lru_misses + 30, runs
+
+
+def test_pushes_run_in_order_on_one_thread_fetches_in_parallel() -> None:
+    """Pushes go to the one push thread, in the order scheduled; fetches (and tier writes) to the
+    fetch workers, which run them side by side."""
+    n_fetch, n_push = 4, 50
+    tasks = [Task("fetch", i, i, 0) for i in range(n_fetch)] + [Task("push", i, i, 0) for i in range(n_push)]
+    done: list[tuple[str, int, str]] = []
+    lock = threading.Lock()
+    fetching = threading.Barrier(n_fetch, timeout=10)  # passes only if all fetches run at once
+
+    def schedule() -> list[Task]:
+        out = list(tasks)
+        tasks.clear()
+        return out
+
+    def execute(t: Task) -> None:
+        if t.kind == "fetch":
+            fetching.wait()
+        with lock:
+            done.append((t.kind, t.fid, threading.current_thread().name))
+
+    p = Prefetcher(schedule, execute, lambda timeout: time.sleep(timeout), fetch_threads=n_fetch)
+    p.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(done) < n_fetch + n_push and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        p.close()
+    pushes = [(fid, name) for kind, fid, name in done if kind == "push"]
+    assert [fid for fid, _ in pushes] == list(range(n_push))
+    assert {name for _, name in pushes} == {"fsd-push"}
+    fetch_threads = {name for kind, _, name in done if kind == "fetch"}
+    assert len(fetch_threads) == n_fetch and "fsd-push" not in fetch_threads
