@@ -378,10 +378,7 @@ class Prefetcher:
             t.start()
 
     def submit(self, task: Task) -> None:
-        """Queue a task out of band (e.g. a push after a lookup)."""
-        self._route(task)
-
-    def _route(self, task: Task) -> None:
+        """Queue a task: pushes for the push thread, the rest for the fetch workers."""
         (self._pq if task.kind == "push" else self._q).put(task)
 
     def close(self) -> None:
@@ -408,7 +405,7 @@ class Prefetcher:
                 log.exception("prefetch scheduling failed")
                 tasks = []
             for t in tasks:
-                self._route(t)
+                self.submit(t)
             if not tasks:
                 self._wait(0.02)
 
