@@ -425,28 +425,34 @@ def test_the_same_plan_again_is_followed_not_restarted(ds: Dataset) -> None:
     cache.close()
 
 
-def test_a_failed_push_goes_when_the_kernel_learns_the_inode(ds: Dataset) -> None:
-    """Fetched before the job listed the dataset, a push fails; the listing (note_known) retries it."""
-    known: set[int] = set()
-    pushed: list[int] = []
+class InodeAwareKernel:
+    """The push side of the kernel: a push fails until the kernel knows the inode (``known``)."""
 
-    def push(fid: int, data: bytes) -> bool:
-        if fid not in known:
+    def __init__(self) -> None:
+        self.known: set[int] = set()
+        self.pushed: list[int] = []
+
+    def push(self, fid: int, data: bytes) -> bool:
+        if fid not in self.known:
             return False
-        pushed.append(fid)
+        self.pushed.append(fid)
         return True
 
-    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2, push=push)
+
+def test_a_failed_push_goes_when_the_kernel_learns_the_inode(ds: Dataset) -> None:
+    """Fetched before the job listed the dataset, a push fails; the listing (note_known) retries it."""
+    kernel = InodeAwareKernel()
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2, push=kernel.push)
     stream = epochs_stream(len(ds.paths), 1, seed=8)
     cache.set_plan(stream)
     cache.start()
     try:
         first = int(stream.file_ids[0])
         assert wait_for(lambda: cache.stats()["prefetch"]["push_failures"] > 0 and first in cache._push_pending)
-        assert first not in pushed
-        known.add(first)
+        assert first not in kernel.pushed
+        kernel.known.add(first)
         cache.note_known(first)
-        assert wait_for(lambda: first in pushed)
+        assert wait_for(lambda: first in kernel.pushed)
         assert cache.stats()["divergence"]["matched"] == 0  # a listing is not a read: no progress
     finally:
         cache.close()
@@ -495,19 +501,12 @@ def test_suspect_pushes_are_verified_not_redone(ds: Dataset) -> None:
 def test_a_retried_push_is_for_the_next_access_not_the_last_one_scheduled(ds: Dataset) -> None:
     """Pushes fail until the kernel learns the inodes from the job's listing; by then a head
     running more than an epoch ahead has scheduled a later access of the file too. The retried
-    push is for the access the reader makes next: aimed at the later one, it waited past the reader's read (bench-data: ~700
-    of epoch 0's 1500 reads reached the daemon in runs where the job listed the dataset late)."""
+    push is for the access the reader makes next: aimed at the later one, it waited past the
+    reader's read (bench-data: ~700 of epoch 0's 1500 reads reached the daemon in runs where the
+    job listed the dataset late)."""
     n = len(ds.paths)
-    known: set[int] = set()
-    pushed: list[int] = []
-
-    def push(fid: int, data: bytes) -> bool:
-        if fid not in known:
-            return False
-        pushed.append(fid)
-        return True
-
-    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2, push=push,
+    kernel = InodeAwareKernel()
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2, push=kernel.push,
                          room=lambda: 1 << 40)
     stream = epochs_stream(n, 3, seed=10)
     ids = stream.file_ids.tolist()
@@ -520,9 +519,9 @@ def test_a_retried_push_is_for_the_next_access_not_the_last_one_scheduled(ds: Da
         assert wait_for(lambda: cache._head > later and f in cache._push_pending)
         with cache._lock:
             assert cache._last_proc[f] >= later  # the head scheduled the later access too
-        known.add(f)
+        kernel.known.add(f)
         cache.note_known(f)
-        assert wait_for(lambda: f in pushed)
+        assert wait_for(lambda: f in kernel.pushed)
         with cache._lock:
             assert cache._pushed.get(f) == pos
     finally:
