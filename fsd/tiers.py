@@ -155,7 +155,11 @@ class SsdTier:
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
-            drop_page_cache(fd)  # the tier is the copy; the page cache is not a second one
+            # The tier is the copy; the page cache is not a second one. Dropped while dirty, the pages
+            # would stay (DONTNEED skips dirty pages) and, written back, sit on the inactive list of
+            # the job's memory cgroup, where reclaim balancing deactivates pushed pages to match.
+            os.fdatasync(fd)
+            drop_page_cache(fd)
         finally:
             os.close(fd)
 

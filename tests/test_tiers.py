@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from fsd.memory import cached_pages
 from fsd.tiers import RamTier, SsdTier
 
 
@@ -94,3 +95,19 @@ def test_ssd_tier_falls_back_where_o_direct_is_refused(tmp_path: Path, monkeypat
     assert SsdTier.pread(t.get(1), 10, 20) == b"x" * 20  # type: ignore[arg-type]
     assert tiers._direct_ok is False
     t.close()
+
+
+def test_ssd_tier_writes_leave_no_page_cache_behind(tmp_path: Path) -> None:
+    """The tier is the copy: a written file's pages are dropped, dirty ones too (after they are written)."""
+    t = SsdTier(tmp_path / "ssd", 1 << 20)
+    p = t.reserve(1, 64 << 10)
+    assert p is not None
+    SsdTier.write(p, os.urandom(64 << 10))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        n = cached_pages(fd, 0, 64 << 10)
+        if n is None:
+            pytest.skip("cachestat(2) needs Linux 6.5")
+        assert n == 0
+    finally:
+        os.close(fd)
