@@ -12,6 +12,7 @@ import ctypes
 import errno
 import logging
 import os
+from collections import deque
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -32,15 +33,17 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def _stat_field(path: Path, *names: str) -> int:
+def _stat_fields(path: Path, *names: str) -> dict[str, int]:
+    """The named fields of a ``memory.stat``-like file (0 where missing), in one read."""
+    out = dict.fromkeys(names, 0)
     try:
         for line in path.read_text().splitlines():
             k, _, v = line.partition(" ")
-            if k in names:
-                return int(v)
+            if k in out:
+                out[k] = int(v)
     except (OSError, ValueError):
         pass
-    return 0
+    return out
 
 
 def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
@@ -73,12 +76,14 @@ def cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path
             d = root / "memory" / rel.lstrip("/")
             limit = _read_int(d / "memory.limit_in_bytes")
             usage = _read_int(d / "memory.usage_in_bytes")
-            cache = _stat_field(d / "memory.stat", "total_cache") - _stat_field(d / "memory.stat", "total_mapped_file")
+            st = _stat_fields(d / "memory.stat", "total_cache", "total_mapped_file")
+            cache = st["total_cache"] - st["total_mapped_file"]
         elif controllers == "" and parts[0] == "0":
             d = root / rel.lstrip("/")
             limit = _read_int(d / "memory.max")
             usage = _read_int(d / "memory.current")
-            cache = _stat_field(d / "memory.stat", "file") - _stat_field(d / "memory.stat", "file_mapped")
+            st = _stat_fields(d / "memory.stat", "file", "file_mapped")
+            cache = st["file"] - st["file_mapped"]
         else:
             continue
         if limit is None or usage is None or limit >= _UNLIMITED // 2:  # v1 reports ~2**63 for none
@@ -91,6 +96,30 @@ def page_cache_room() -> int | None:
     """The smaller of the machine's available memory and the cgroup's room, or None if both are unknown."""
     rooms = [r for r in (mem_available(), cgroup_room()) if r is not None]
     return min(rooms) if rooms else None
+
+
+class LowWater:
+    """The smallest value added in the last *window_s* seconds (a monotonic queue: O(1) per value).
+
+    The page-cache room of a training job's cgroup dips whenever its processes grow (start-up,
+    DataLoader workers forked again every epoch) and recovers when they exit: what pushes may use
+    is the room at the dips, not between them."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._q: deque[tuple[float, int]] = deque()  # (time, value), values increasing
+
+    def add(self, now: float, value: int) -> int:
+        """Record *value* at time *now*; the minimum over the window."""
+        while self._q and self._q[-1][1] >= value:
+            self._q.pop()
+        self._q.append((now, value))
+        while self._q[0][0] < now - self.window_s:
+            self._q.popleft()
+        return self._q[0][1]
+
+    def clear(self) -> None:
+        self._q.clear()
 
 
 def drop_cached(path: str) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fsd.memory import cached_pages, page_cache_room
+from fsd.memory import LowWater, cached_pages, page_cache_room
 
 
 def test_cached_pages_sees_a_file_enter_and_leave_the_page_cache(tmp_path: Path) -> None:
@@ -32,3 +32,15 @@ def test_cached_pages_sees_a_file_enter_and_leave_the_page_cache(tmp_path: Path)
 def test_page_cache_room_is_positive_or_unknown() -> None:
     room = page_cache_room()
     assert room is None or room > 0
+
+
+def test_low_water_is_the_minimum_over_the_window() -> None:
+    lw = LowWater(10.0)
+    assert lw.add(0.0, 500) == 500
+    assert lw.add(1.0, 200) == 200  # a dip
+    assert lw.add(2.0, 600) == 200  # recovered, but the dip is recent
+    assert lw.add(11.5, 550) == 550  # the dip (t=1) is out of the window; 550 < 600 (t=2)
+    assert lw.add(13.0, 700) == 550
+    assert lw.add(30.0, 900) == 900
+    lw.clear()
+    assert lw.add(31.0, 100) == 100
