@@ -24,6 +24,8 @@ Not thread-safe; the dataset cache's lock guards it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fsd.belady import BeladyIndex
 
 
@@ -83,17 +85,50 @@ class PageCacheTier:
         """
         if self.capacity is None:
             return []
-        over = self.used + nbytes - self._bytes.get(fid, 0) - self.capacity
+        victims, short = self._victims(self.used + nbytes - self._bytes.get(fid, 0) - self.capacity, floor, fid)
+        self.short += short
+        return victims
+
+    def shrink(self, floor: int, next_use: Callable[[int], int], max_kept: int = 256) -> list[int]:
+        """Files to drop to get back within the capacity after it shrank: the furthest keyed first, only
+        those whose *next_use* (the key is a file's latest pending access; an earlier one may be
+        pending too) is at or after *floor*. Gives up after passing *max_kept* files that are needed
+        sooner. Forgotten here, like :meth:`make_room`'s victims."""
+        if self.capacity is None:
+            return []
+        over = self.used - self.capacity
+        victims: list[int] = []
+        kept: list[tuple[int, int]] = []
+        while over > 0 and len(kept) < max_kept:
+            top = self._index.furthest()
+            if top is None or top[1] < floor:
+                break
+            self._index.remove(top[0])
+            if next_use(top[0]) < floor:
+                kept.append(top)
+                continue
+            victims.append(top[0])
+            over -= self._bytes[top[0]]
+            self.forget(top[0])
+        for k in kept:
+            self._index.set(*k)
+        self.drops += len(victims)
+        return victims
+
+    def _victims(self, over: int, floor: int, spare: int | None) -> tuple[list[int], bool]:
+        """Forget files, furthest used first, until *over* bytes are freed; never *spare* nor files next
+        used before *floor*. Returns the victims and whether they fall short."""
         victims: list[int] = []
         keep: tuple[int, int] | None = None
+        short = False
         while over > 0:
             top = self._index.furthest()
             if top is None or top[1] < floor:
-                self.short += 1
+                short = True
                 break
-            if top[0] == fid:  # the pushed file itself: its note() re-keys it
+            if top[0] == spare:  # the pushed file itself: its note() re-keys it
                 keep = top
-                self._index.remove(fid)
+                self._index.remove(top[0])
                 continue
             victims.append(top[0])
             over -= self._bytes[top[0]]
@@ -101,7 +136,7 @@ class PageCacheTier:
         if keep is not None:
             self._index.set(*keep)
         self.drops += len(victims)
-        return victims
+        return victims, short
 
     def stats(self) -> dict:
         return {"capacity": self.capacity, "bytes": self.used, "files": len(self._bytes), "drops": self.drops,

@@ -71,3 +71,18 @@ def test_make_room_keeps_the_nearest_uses_within_capacity(ops: list[tuple[int, i
         if t.stats()["short"] == short:
             assert t.used <= capacity
         assert t.used == sum(t.held(f) for f in t.files())
+
+
+def test_a_shrunken_capacity_drops_the_furthest_needed_not_those_needed_sooner() -> None:
+    t = PageCacheTier(capacity=400)
+    # keys are each file's latest pending access; file 2 is also needed at 20 (its next use)
+    for fid, key in [(1, 50), (2, 500), (3, 300), (4, 10)]:
+        t.note(fid, 100, key)
+    nxt = {1: 50, 2: 20, 3: 300, 4: 10}
+    t.capacity = 200
+    assert t.shrink(floor=40, next_use=nxt.__getitem__) == [3, 1]  # 2 is needed at 20; 4 before the floor
+    assert t.used == 200 and 2 in t and 4 in t
+    assert t.stats()["drops"] == 2 and t.stats()["short"] == 0
+    t.capacity = 0
+    assert t.shrink(floor=0, next_use=nxt.__getitem__, max_kept=0) == []  # gives up at once
+    assert PageCacheTier().shrink(0, nxt.__getitem__) == []  # unknown capacity: nothing
