@@ -123,7 +123,7 @@ import numpy as np
 from fsd.access_stream import NodeStream
 from fsd.backend import Backend
 from fsd.belady import NEVER, BeladyIndex, FileIndex, next_use
-from fsd.memory import page_cache_room
+from fsd.memory import LowWater, page_cache_room
 from fsd.page_cache import PageCacheTier
 from fsd.placement import RAM, SSD, compute_placement, first_uses, preference_order
 from fsd.prefetch import DIVERGED, SYNCED, LeadControl, Prefetcher, ProgressTracker, Task
@@ -179,6 +179,8 @@ class DatasetCache:
     LOSS_BURST, LOSS_BURST_S = 3, 0.1  # this many new losses this fast: a mass drop
     KERNEL_SHARE = 0.8  # of the page-cache room, what the kernel tier (fsd.page_cache) may hold
     PUSH_SHARE = 0.25  # of the page-cache room, what pushes ahead of the reader may cover
+    ROOM_EVERY_S = 0.1  # how often the page-cache room is read (~0.1 ms: cgroupfs, /proc/meminfo)
+    ROOM_WINDOW_S = 10.0  # pushes size by the room's low-water mark over this long
 
     def __init__(self, backend: Backend, *, ram_bytes: int, ssd_dir: Path | None = None, ssd_bytes: int = 0,
                  fetch_threads: int = 8, push: Callable[[int, bytes], bool] | None = None,
@@ -243,8 +245,10 @@ class DatasetCache:
         # smaller than the job's reorder window must not turn every loss into a re-push of the lead
         self._push_ctl = LeadControl(self.LEAD_S, 16, self.MAX_LEAD)
         self._lead_target = 0
-        self._push_room: int | None = None  # page-cache room for pushes ahead (fsd.memory), re-read every second
+        self._push_room: int | None = None  # page-cache room (fsd.memory): its low-water mark over ROOM_WINDOW_S
         self._push_room_t = -1.0
+        self._room_low = LowWater(self.ROOM_WINDOW_S)
+        self.room_drops = 0  # files the kernel tier dropped because the room shrank
         self._push_lead_target = 0
         # Pushes go no further than the page cache has room for: accesses at or beyond _push_limit
         # (a stream position) wait in _deferred, a heap of (position, fid), until the reader nears.
@@ -807,15 +811,50 @@ class DatasetCache:
         return int(max(self._push_ctl.min_lead, min(cap, self._push_room * self.PUSH_SHARE // mean)))
 
     def _refresh_push_room(self, now: float) -> None:
-        """Re-read the page-cache room once a second and size the kernel tier by it (coordinator thread; the
-        room is read outside the lock: /proc and cgroupfs)."""
-        if self.push is not None and now - self._push_room_t >= 1.0:
-            room = self.room()
-            with self._lock:
-                self._push_room = room
-                self._push_room_t = now
-                cap = int(room * self.KERNEL_SHARE) if room is not None and self.drop is not None else None
-                self._ktier.capacity = cap
+        """Every ``ROOM_EVERY_S``, re-read the page-cache room (outside the lock: /proc and cgroupfs) and
+        size the push window and the kernel tier by its low-water mark over ``ROOM_WINDOW_S``; if the
+        room shrank and the tier is over its new capacity, drop what it holds for accesses beyond the new push window,
+        furthest used first, and push those again as the reader nears (coordinator thread).
+
+        Measured (``bench-data --quick``): the room read once a second before the trainers started was
+        213-604 MiB, so pushes filled the page cache with the whole 92 MiB dataset; it then fell to
+        77-98 MiB as the trainers and their DataLoader workers grew, and reclaim, which takes pushes
+        in push order, took ~100 of the pushes needed first (losses) before the first epoch began."""
+        if self.push is None or now - self._push_room_t < self.ROOM_EVERY_S:
+            return
+        room = self.room()
+        victims: list[int] = []
+        with self._lock:
+            self._push_room_t = now
+            if room is None:
+                self._room_low.clear()
+                self._push_room = None
+            else:
+                self._push_room = self._room_low.add(now, room)
+            # Until the job reads, its processes are still growing (measured: the room fell from 189 to
+            # 97 MiB as the DataLoader workers of the first epoch started): the tier keeps to the push share.
+            started = self._tracker is not None and self._tracker.front >= 0
+            share = self.KERNEL_SHARE if started else self.PUSH_SHARE
+            cap = int(self._push_room * share) if self._push_room is not None and self.drop else None
+            shrunk = cap is not None and self._ktier.capacity is not None and cap < self._ktier.capacity
+            self._ktier.capacity = cap
+            # only when the room shrank: a push that found nothing to drop goes ahead (make_room), and
+            # the kernel's reclaim decides as before
+            if shrunk and self._ktier.used > cap and not self._closed:
+                plan, tr = self._plan, self._tracker
+                nxt = plan.index.first_at_or_after if plan is not None else (lambda f, p: NEVER)
+                # the push window for the new room (_push_limit is still the old one's)
+                floor = int(tr.est_pos(now)) + self._push_window(now, plan) if plan and tr else self._push_limit
+                victims = self._ktier.shrink(floor, lambda f: nxt(f, self._released))
+                for v in victims:
+                    self._kcover.pop(v, None)
+                    q = nxt(v, self._released)
+                    if q < self._head:
+                        # pushed for a pending access beyond the new window: again when the reader nears
+                        self._pushed.pop(v, None)
+                        self._defer(q, v)
+                self.room_drops += len(victims)
+        self._drop_pages(victims)
 
     def _defer(self, pos: int, fid: int) -> None:
         """Push *fid* for access *pos* once the reader is within the push window (lock held)."""
@@ -1203,6 +1242,15 @@ class DatasetCache:
                     self._pushed[fid] = pos
         return True
 
+    def _drop_pages(self, victims: list[int]) -> None:
+        """Drop the kernel's pages of the kernel tier's *victims* (already forgotten; lock not held)."""
+        for v in victims:
+            try:
+                assert self.drop is not None
+                self.drop(v)
+            except Exception:
+                log.exception("dropping the kernel's pages of file %d failed", v)
+
     def _do_push(self, fid: int, pos: int, data: bytes) -> None:
         assert self.push is not None
         with self._lock:
@@ -1218,12 +1266,7 @@ class DatasetCache:
             seq = self._kseq  # taken before the push: a loss seen while it runs makes it suspect
             self._kseq += 1
             gen = self._gen.get(fid, 0)
-        for v in victims:
-            try:
-                assert self.drop is not None
-                self.drop(v)
-            except Exception:
-                log.exception("dropping the kernel's pages of file %d failed", v)
+        self._drop_pages(victims)
         ok = True
         if part:
             try:
@@ -1302,7 +1345,7 @@ class DatasetCache:
                     "page_cache_drops": self.page_cache_drops,
                     "beacon_every": self._beacon_every,
                 },
-                "page_cache": self._ktier.stats(),
+                "page_cache": self._ktier.stats() | {"room_drops": self.room_drops},
                 "divergence": tr.stats() if tr is not None else {"state": "no_plan"},
                 "backend": {"bytes_read": self.backend_bytes, "reads": self.backend_reads,
                             "demand_reads": self.demand_reads, "foreign_reads": self.foreign_reads},

@@ -526,3 +526,65 @@ def test_a_retried_push_is_for_the_next_access_not_the_last_one_scheduled(ds: Da
             assert cache._pushed.get(f) == pos
     finally:
         cache.close()
+
+
+def test_the_kernel_tier_follows_the_room_down_dropping_what_is_used_furthest(ds: Dataset) -> None:
+    """Until the job reads, the kernel tier keeps to the push share of the room (the job is still
+    growing); when the room shrinks, what it holds for accesses furthest away is dropped (not left
+    to reclaim, which takes the oldest pushes: those needed next), and pushed again as the reader nears."""
+    total = int(ds.sizes.sum())
+    room = [2 * total]
+    held: dict[int, int] = {}
+    pushed: list[int] = []
+    dropped: set[int] = set()
+    lock = threading.Lock()
+
+    def push(fid: int, data: bytes) -> bool:
+        with lock:
+            held[fid] = len(data)
+            pushed.append(fid)
+        return True
+
+    def drop(fid: int) -> None:
+        with lock:
+            held.pop(fid, None)
+            dropped.add(fid)
+
+    cache = DatasetCache(ds.backend, ram_bytes=total * 2, fetch_threads=2, push=push, drop=drop,
+                         room=lambda: room[0])
+    stream = epochs_stream(len(ds.paths), 2, seed=12, ranks=1)
+    ids = stream.file_ids.tolist()
+    cache.set_plan(stream)
+    cache.start()
+    try:
+        pre_cap = int(2 * total * DatasetCache.PUSH_SHARE)
+        assert wait_for(lambda: cache.stats()["page_cache"]["bytes"] > pre_cap // 2)
+        time.sleep(0.3)
+        pc = cache.stats()["page_cache"]
+        assert pc["capacity"] == pre_cap and pc["bytes"] <= pre_cap + int(ds.sizes.max())
+        for f in ids[:3]:  # the job starts reading: the tier may take its full share
+            read_whole(cache, f, int(ds.sizes[f]))
+        assert wait_for(lambda: cache.stats()["page_cache"]["capacity"] == int(2 * total * DatasetCache.KERNEL_SHARE))
+        room[0] = total // 5  # the job's processes grew
+        cap = int(total // 5 * DatasetCache.KERNEL_SHARE)
+        assert wait_for(lambda: cache.stats()["page_cache"]["capacity"] == cap)
+        assert wait_for(lambda: cache.stats()["page_cache"]["bytes"] <= cap)
+        st = cache.stats()["page_cache"]
+        assert st["room_drops"] > 0
+        with lock:
+            assert all(f in held for f in ids[3:8])  # the next accesses are kept
+            kept = sum(held.values())
+        assert kept <= cap
+        room[0] = 2 * total  # the room grows back: the low-water mark holds for ROOM_WINDOW_S
+        time.sleep(0.3)
+        assert cache.stats()["page_cache"]["capacity"] == cap
+        with lock:
+            n0, was_dropped = len(pushed), set(dropped)
+        for f in ids[3 : len(ds.paths)]:  # dropped files are pushed again as the reader nears them
+            if f not in held:
+                read_whole(cache, f, int(ds.sizes[f]))
+            time.sleep(0.002)
+        with lock:
+            assert len(was_dropped & set(pushed[n0:])) > len(was_dropped) // 2
+    finally:
+        cache.close()
