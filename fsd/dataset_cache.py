@@ -71,8 +71,9 @@ Pushing
     round trip, never bytes: a page the kernel lacks is read through us.
 
     How far ahead pushes go is bounded by the page cache's room (a quarter,
-    ``PUSH_SHARE``, of :func:`fsd.memory.page_cache_room`, the daemon's memory
-    cgroup or the machine, in mean file sizes) and by a cap that each loss
+    ``PUSH_SHARE``, of the low-water mark over ``ROOM_WINDOW_S`` of
+    :func:`fsd.memory.page_cache_room`, the daemon's memory cgroup or the
+    machine, read every ``ROOM_EVERY_S``, in mean file sizes) and by a cap that each loss
     halves: pushes for accesses beyond that wait in a heap until the reader
     nears (``push_deferrals``). Pushed further, the kernel reclaims the oldest
     pushes - the ones needed next - and every loss re-pushed the lead
@@ -84,7 +85,10 @@ Pushing
     ``posix_fadvise(DONTNEED)`` through the mount) the held files used
     furthest in the future, after the pushed access and not pending, so the
     page cache keeps what the plan needs soonest rather than what the kernel's
-    LRU keeps (with a new permutation each epoch, next to nothing). Room
+    LRU keeps (with a new permutation each epoch, next to nothing). Until the
+    job reads, the tier keeps to ``PUSH_SHARE`` (the job is still growing);
+    when the room shrinks, the tier drops what it holds for accesses beyond the
+    new push window, furthest first, and defers their pushes. Room
     between the push window and the tier's capacity is what carries hits from
     one epoch into the next: hence a quarter for pushes, not half.
 
@@ -813,13 +817,14 @@ class DatasetCache:
     def _refresh_push_room(self, now: float) -> None:
         """Every ``ROOM_EVERY_S``, re-read the page-cache room (outside the lock: /proc and cgroupfs) and
         size the push window and the kernel tier by its low-water mark over ``ROOM_WINDOW_S``; if the
-        room shrank and the tier is over its new capacity, drop what it holds for accesses beyond the new push window,
-        furthest used first, and push those again as the reader nears (coordinator thread).
+        room shrank and the tier is over its new capacity, drop what it holds for accesses beyond the
+        new push window, furthest used first, and push those again as the reader nears (coordinator
+        thread).
 
         Measured (``bench-data --quick``): the room read once a second before the trainers started was
         213-604 MiB, so pushes filled the page cache with the whole 92 MiB dataset; it then fell to
         77-98 MiB as the trainers and their DataLoader workers grew, and reclaim, which takes pushes
-        in push order, took ~100 of the pushes needed first (losses) before the first epoch began."""
+        in push order, took ~100 of the pushes needed first (losses) in the first 0.6 s of epoch 0."""
         if self.push is None or now - self._push_room_t < self.ROOM_EVERY_S:
             return
         room = self.room()

@@ -85,8 +85,24 @@ class PageCacheTier:
         """
         if self.capacity is None:
             return []
-        victims, short = self._victims(self.used + nbytes - self._bytes.get(fid, 0) - self.capacity, floor, fid)
-        self.short += short
+        over = self.used + nbytes - self._bytes.get(fid, 0) - self.capacity
+        victims: list[int] = []
+        keep: tuple[int, int] | None = None
+        while over > 0:
+            top = self._index.furthest()
+            if top is None or top[1] < floor:
+                self.short += 1
+                break
+            if top[0] == fid:  # the pushed file itself: its note() re-keys it
+                keep = top
+                self._index.remove(fid)
+                continue
+            victims.append(top[0])
+            over -= self._bytes[top[0]]
+            self.forget(top[0])
+        if keep is not None:
+            self._index.set(*keep)
+        self.drops += len(victims)
         return victims
 
     def shrink(self, floor: int, next_use: Callable[[int], int], max_kept: int = 256) -> list[int]:
@@ -114,29 +130,6 @@ class PageCacheTier:
             self._index.set(*k)
         self.drops += len(victims)
         return victims
-
-    def _victims(self, over: int, floor: int, spare: int | None) -> tuple[list[int], bool]:
-        """Forget files, furthest used first, until *over* bytes are freed; never *spare* nor files next
-        used before *floor*. Returns the victims and whether they fall short."""
-        victims: list[int] = []
-        keep: tuple[int, int] | None = None
-        short = False
-        while over > 0:
-            top = self._index.furthest()
-            if top is None or top[1] < floor:
-                short = True
-                break
-            if top[0] == spare:  # the pushed file itself: its note() re-keys it
-                keep = top
-                self._index.remove(top[0])
-                continue
-            victims.append(top[0])
-            over -= self._bytes[top[0]]
-            self.forget(top[0])
-        if keep is not None:
-            self._index.set(*keep)
-        self.drops += len(victims)
-        return victims, short
 
     def stats(self) -> dict:
         return {"capacity": self.capacity, "bytes": self.used, "files": len(self._bytes), "drops": self.drops,
