@@ -252,7 +252,6 @@ class DatasetCache:
         self._push_room: int | None = None  # page-cache room (fsd.memory): its low-water mark over ROOM_WINDOW_S
         self._push_room_t = -1.0
         self._room_low = LowWater(self.ROOM_WINDOW_S)
-        self.room_drops = 0  # files the kernel tier dropped because the room shrank
         self._push_lead_target = 0
         # Pushes go no further than the page cache has room for: accesses at or beyond _push_limit
         # (a stream position) wait in _deferred, a heap of (position, fid), until the reader nears.
@@ -858,7 +857,6 @@ class DatasetCache:
                         # pushed for a pending access beyond the new window: again when the reader nears
                         self._pushed.pop(v, None)
                         self._defer(q, v)
-                self.room_drops += len(victims)
         self._drop_pages(victims)
 
     def _defer(self, pos: int, fid: int) -> None:
@@ -1350,7 +1348,7 @@ class DatasetCache:
                     "page_cache_drops": self.page_cache_drops,
                     "beacon_every": self._beacon_every,
                 },
-                "page_cache": self._ktier.stats() | {"room_drops": self.room_drops},
+                "page_cache": self._ktier.stats(),
                 "divergence": tr.stats() if tr is not None else {"state": "no_plan"},
                 "backend": {"bytes_read": self.backend_bytes, "reads": self.backend_reads,
                             "demand_reads": self.demand_reads, "foreign_reads": self.foreign_reads},

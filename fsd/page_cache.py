@@ -39,6 +39,7 @@ class PageCacheTier:
         self._index = BeladyIndex()
         self.drops = 0
         self.short = 0
+        self.room_drops = 0  # of the drops, those of shrink(): the capacity shrank
 
     def __contains__(self, fid: int) -> bool:
         return fid in self._bytes
@@ -129,8 +130,9 @@ class PageCacheTier:
         for k in kept:
             self._index.set(*k)
         self.drops += len(victims)
+        self.room_drops += len(victims)
         return victims
 
     def stats(self) -> dict:
         return {"capacity": self.capacity, "bytes": self.used, "files": len(self._bytes), "drops": self.drops,
-                "short": self.short}
+                "short": self.short, "room_drops": self.room_drops}

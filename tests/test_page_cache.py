@@ -82,7 +82,7 @@ def test_a_shrunken_capacity_drops_the_furthest_needed_not_those_needed_sooner()
     t.capacity = 200
     assert t.shrink(floor=40, next_use=nxt.__getitem__) == [3, 1]  # 2 is needed at 20; 4 before the floor
     assert t.used == 200 and 2 in t and 4 in t
-    assert t.stats()["drops"] == 2 and t.stats()["short"] == 0
+    assert t.stats()["drops"] == 2 and t.stats()["short"] == 0 and t.stats()["room_drops"] == 2
     t.capacity = 0
     assert t.shrink(floor=0, next_use=nxt.__getitem__, max_kept=0) == []  # gives up at once
     assert PageCacheTier().shrink(0, nxt.__getitem__) == []  # unknown capacity: nothing
