@@ -225,6 +225,14 @@ class ControlDir:
         return pyfuse3.FileInfo(fh=ino, direct_io=True, keep_cache=False)
 
     # -- data ----------------------------------------------------------
+    def _ops(self) -> dict[str, int]:
+        """Operation counts; ``ioctl``: those pyfuse3's reader thread answered itself."""
+        ops = dict(self.counters.ops)
+        fast_replies = getattr(pyfuse3, "fast_replies", None)  # fsd's pyfuse3 patch
+        if fast_replies is not None:
+            ops["ioctl"] = fast_replies()
+        return ops
+
     def _render_status(self) -> None:
         try:
             body = self.status_fn()
@@ -236,7 +244,7 @@ class ControlDir:
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 3),
             "cpu_s": round(sum(os.times()[:2]), 3),  # the daemon's user + system CPU time
-            "ops": dict(self.counters.ops),
+            "ops": self._ops(),
             "errors": dict(self.counters.errors),
             "control": {
                 "applied": self._applied,

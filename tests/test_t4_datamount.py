@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -252,3 +254,30 @@ def test_dropping_a_files_pages_through_the_mount(tmp_path: Path, mounter) -> No
         assert reads() > r1 + 2 * per_status
     finally:
         os.close(fd)
+
+
+def test_python_opens_isatty_ioctl_is_answered_off_the_event_loop(tmp_path: Path, mounter) -> None:
+    """Python's open() asks isatty() of every file it opens: an ioctl(TCGETS) that the kernel
+    sends to the daemon each time. pyfuse3's C reader thread (tools/patches/pyfuse3-fast-ioctl.patch)
+    answers it, ENOTTY, without the trio loop; status counts those answers as ``ops.ioctl``."""
+    src = tmp_path / "src"
+    make_tree(src, n_classes=2, per_class=20, size=70_000)  # > 64 KiB: the reader's buffer hand-over
+    expect = {p.relative_to(src): p.read_bytes() for p in src.rglob("*") if p.is_file()}
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = mounter(["--data", src, "--at", mnt], mnt)
+    before = m.status()["ops"]["ioctl"]
+    for rel, data in expect.items():
+        with open(mnt / rel, "rb") as f:  # default buffering: isatty() -> ioctl(TCGETS)
+            assert not f.isatty()  # a second ioctl
+            assert f.read() == data
+        fd = os.open(mnt / rel, os.O_RDONLY)
+        try:
+            with pytest.raises(OSError) as e:
+                fcntl.ioctl(fd, termios.TCGETS, bytes(64))
+            assert e.value.errno == errno.ENOTTY
+        finally:
+            os.close(fd)
+    after = m.status()["ops"]["ioctl"]
+    assert after - before >= 3 * len(expect), (before, after, len(expect))
+    assert "read" in m.status()["ops"]  # the Python handlers still run: the loop gets the rest
