@@ -344,3 +344,25 @@ def test_overwrite_with_o_trunc_drops_the_old_tail(ck: Ckpt, mounter: Any) -> No
     m.close()
     mounter(ck.args(), ck.mnt)
     assert p.read_bytes() == b"short"
+
+
+def test_one_large_write_arrives_whole_and_in_order(ck: Ckpt, mounter: Any) -> None:
+    """A single 4 MiB write() reaches the daemon as FUSE requests larger than the 64 KiB that
+    pyfuse3's reader thread copies (tools/patches/pyfuse3-fast-ioctl.patch): those hand their
+    buffer over to the loop. Interleaved with small writes, every byte must land where it was written."""
+    mounter(ck.args(), ck.mnt)
+    big = os.urandom(4 * MiB + 12345)
+    small = [os.urandom(100 + i) for i in range(8)]
+    p = ck.mnt / "mixed.bin"
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    try:
+        assert os.write(fd, big) == len(big)
+        off = len(big)
+        for s in small:
+            assert os.pwrite(fd, s, off) == len(s)
+            off += len(s)
+        assert os.pwrite(fd, big[:70_000], off) == 70_000
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == big + b"".join(small) + big[:70_000]

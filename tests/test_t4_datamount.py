@@ -262,7 +262,7 @@ def test_python_opens_isatty_ioctl_is_answered_off_the_event_loop(tmp_path: Path
     sends to the daemon each time. pyfuse3's C reader thread (tools/patches/pyfuse3-fast-ioctl.patch)
     answers it, ENOTTY, without the trio loop; status counts those answers as ``ops.ioctl``."""
     src = tmp_path / "src"
-    make_tree(src, n_classes=2, per_class=20, size=70_000)  # > 64 KiB: the reader's buffer hand-over
+    make_tree(src, n_classes=2, per_class=20, size=70_000)
     expect = {p.relative_to(src): p.read_bytes() for p in src.rglob("*") if p.is_file()}
     mnt = tmp_path / "mnt"
     mnt.mkdir()
