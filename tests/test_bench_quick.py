@@ -96,6 +96,26 @@ def test_bench_data_small(tmp_path: Path) -> None:
 
 
 @pytest.mark.mount
+@pytest.mark.timeout(120)
+def test_bench_open_small(tmp_path: Path) -> None:
+    """bench-open end to end: each open(p, "rb") through the mount costs exactly one ioctl, answered
+    by pyfuse3's reader thread; buffering=0 costs none; the cached files cost no READ; the mount is gone."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    p = subprocess.run([str(REPO / "tools/bench-open"), "--files", "200", "--size", "8K", "--passes", "2"],
+                       capture_output=True, text=True, timeout=100, cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["fast_ioctl"] is True and r["files"] == 200
+    for run in r["runs"]["mount"]:
+        assert run["ioctl_per_file"] == 1.0 and run["reads_per_file"] < 0.05, run
+    for run in r["runs"]["mount_unbuffered"] + r["runs"]["direct"]:
+        assert run["ioctl_per_file"] == 0.0, run
+    assert r["open_ratio_vs_direct"] > 0
+    assert not any(" fuse.fsd " in line or "fsd:" in line.split(" ")[0]
+                   for line in Path("/proc/mounts").read_text().splitlines() if str(tmp_path) in line)
+
+
+@pytest.mark.mount
 @pytest.mark.timeout(300)
 def test_demo_small(tmp_path: Path) -> None:
     before = set(benchlib.stale_memcgs())
