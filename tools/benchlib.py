@@ -333,6 +333,31 @@ def run_logged(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = 
     return p
 
 
+def fsd_cmd(python: str = sys.executable) -> list[str]:
+    """How to run the fsd CLI with *python*: its venv's entry point, else ``-m fsd.cli``."""
+    exe = Path(python).parent / "fsd"
+    return [str(exe)] if exe.exists() else [python, "-m", "fsd.cli"]
+
+
+@contextlib.contextmanager
+def fsd_data_mount(source: Path, mountpoint: Path, logfile: Path, *options: str,
+                   cg: MemCgroup | None = None) -> Iterator[None]:
+    """``fsd mount --data SOURCE [OPTIONS] --daemon`` (inside *cg*), unmounted afterwards (lazily if
+    ``fsd unmount`` fails). *mountpoint* is *source* unless *options* has ``--at``."""
+    cmd = [*fsd_cmd(), "mount", "--data", str(source), *options, "--log", str(logfile), "--daemon"]
+    run_logged(cg.wrap(cmd) if cg else cmd, timeout=120, env=dict(os.environ))
+    if not os.path.ismount(mountpoint):
+        raise RuntimeError(f"fsd mount --data {source} returned but {mountpoint} is not a mount point")
+    try:
+        yield
+    finally:
+        try:
+            run_logged([*fsd_cmd(), "unmount", str(mountpoint)], timeout=300)
+        except Exception as e:
+            log.error("fsd unmount %s failed: %s; lazy unmount", mountpoint, e)
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
+
+
 def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> list[int]:
     """Wait for every process with one shared deadline.
 
