@@ -849,10 +849,16 @@ class DatasetCache:
                 nxt = plan.index.first_at_or_after if plan is not None else (lambda f, p: NEVER)
                 # the push window for the new room (_push_limit is still the old one's)
                 floor = int(tr.est_pos(now)) + self._push_window(now, plan) if plan and tr else self._push_limit
-                victims = self._ktier.shrink(floor, lambda f: nxt(f, self._released))
+                uses: dict[int, int] = {}  # next use of each file shrink() looked at (every victim)
+
+                def next_use(f: int) -> int:
+                    uses[f] = nxt(f, self._released)
+                    return uses[f]
+
+                victims = self._ktier.shrink(floor, next_use)
                 for v in victims:
                     self._kcover.pop(v, None)
-                    q = nxt(v, self._released)
+                    q = uses[v]
                     if q < self._head:
                         # pushed for a pending access beyond the new window: again when the reader nears
                         self._pushed.pop(v, None)
