@@ -13,11 +13,10 @@ instead, and epochs took 10-60 s in place of 1).
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Sequence
 
-log = logging.getLogger(__name__)
+from .memory import drop_page_cache
 
 
 class Backend:
@@ -61,11 +60,3 @@ class Backend:
             return b"".join(chunks)
         finally:
             os.close(fd)
-
-
-def drop_page_cache(fd: int) -> None:
-    """Ask the kernel to drop *fd*'s clean cached pages (starts writeback of dirty ones)."""
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except OSError as e:  # advice only
-        log.debug("posix_fadvise(DONTNEED): %s", e)

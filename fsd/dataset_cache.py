@@ -1253,9 +1253,11 @@ class DatasetCache:
 
     def _drop_pages(self, victims: list[int]) -> None:
         """Drop the kernel's pages of the kernel tier's *victims* (already forgotten; lock not held)."""
+        if not victims:
+            return
+        assert self.drop is not None  # a kernel tier with victims exists only with a drop callback
         for v in victims:
             try:
-                assert self.drop is not None
                 self.drop(v)
             except Exception:
                 log.exception("dropping the kernel's pages of file %d failed", v)

@@ -122,14 +122,23 @@ class LowWater:
         self._q.clear()
 
 
+def drop_page_cache(fd: int) -> None:
+    """Ask the kernel to drop *fd*'s clean cached pages (starts writeback of dirty ones); advice only,
+    a failure is logged."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError as e:
+        log.debug("posix_fadvise(DONTNEED): %s", e)
+
+
 def drop_cached(path: str) -> None:
-    """Drop the page-cache pages of the file at *path* (clean, unmapped ones: ``posix_fadvise(DONTNEED)``).
+    """Drop the page-cache pages of the file at *path* (clean, unmapped ones: :func:`drop_page_cache`).
 
     On a FUSE mount this sends the daemon nothing (no-open mode) and keeps the file's attributes,
     unlike ``notify_inval_inode``, which also makes the next ``stat`` a GETATTR."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        drop_page_cache(fd)
     finally:
         os.close(fd)
 
