@@ -77,6 +77,7 @@ class DataOperations(pyfuse3.Operations):
             push=self._push,
             cached=self._cached if mountpoint is not None else None,
             drop=self._drop if mountpoint is not None else None,
+            known=self._known,
         )
         self.mountpoint = mountpoint
         self.control = ControlDir(self.status, self.planner.apply, counters=self.counters)
@@ -145,10 +146,19 @@ class DataOperations(pyfuse3.Operations):
     async def _thread(self, fn: Any, *args: Any, limiter: trio.CapacityLimiter | None = None) -> Any:
         return await trio.to_thread.run_sync(fn, *args, limiter=limiter or self.meta_limiter)
 
+    def _known_ino(self, path: str) -> int | None:
+        """The inode of *path* if the kernel knows it (holds a lookup), else None."""
+        ino = self.inodes.get(os.fsencode(path))
+        return ino if ino is not None and self.inodes.known_to_kernel(ino) else None
+
+    def _known(self, path: str) -> bool:
+        """Whether a push of *path* can land: the kernel knows its inode."""
+        return self._known_ino(path) is not None
+
     def _push(self, path: str, data: bytes) -> bool:
         """Put *data* (a whole file) into the kernel page cache, if it knows the inode."""
-        ino = self.inodes.get(os.fsencode(path))
-        if ino is None or not self.inodes.known_to_kernel(ino):
+        ino = self._known_ino(path)
+        if ino is None:
             return False
         try:
             pyfuse3.notify_store(ino, 0, data)
@@ -162,10 +172,7 @@ class DataOperations(pyfuse3.Operations):
         of it either). Opening it there sends no OPEN (no-open mode) and, known, no LOOKUP, which
         would count as the reader's progress."""
         assert self.mountpoint is not None
-        ino = self.inodes.get(os.fsencode(path))
-        if ino is None or not self.inodes.known_to_kernel(ino):
-            return None
-        return os.path.join(self.mountpoint, path)
+        return os.path.join(self.mountpoint, path) if self._known_ino(path) is not None else None
 
     def _cached(self, path: str, n: int) -> bool | None:
         """Whether the kernel page cache holds bytes ``[0, n)`` of *path* (worker threads)."""

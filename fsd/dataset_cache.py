@@ -190,6 +190,7 @@ class DatasetCache:
                  fetch_threads: int = 8, push: Callable[[int, bytes], bool] | None = None,
                  cached: Callable[[int, int], bool | None] | None = None,
                  drop: Callable[[int], None] | None = None,
+                 known: Callable[[int], bool] | None = None,
                  room: Callable[[], int | None] = page_cache_room) -> None:
         self.backend = backend
         self.n_files = backend.n_files
@@ -200,6 +201,7 @@ class DatasetCache:
         self.push = push
         self.cached = cached  # (fid, n) -> whether the kernel holds bytes [0, n), None if unknown
         self.drop = drop  # fid -> drop the kernel's pages of it (the kernel tier's eviction)
+        self.known = known  # fid -> whether the kernel knows its inode (else a push cannot land)
         self.room = room  # page-cache room in bytes (fsd.memory.page_cache_room), None if unknown
         self.fetch_threads = max(1, int(fetch_threads))
         self._lock = threading.Lock()
@@ -1206,6 +1208,8 @@ class DatasetCache:
             plan = self._plan
             if plan is None or plan.gen != t.plan_gen or self._tracker is None or self._tracker.state != SYNCED:
                 return
+            if self._cannot_land(fid):
+                return  # before reading the file from its tier
         if t.verify and self._still_held(fid, t.pos):
             return
         with self._lock:
@@ -1221,6 +1225,17 @@ class DatasetCache:
                 return
         if data is not None:
             self._do_push(fid, t.pos, data)
+
+    def _cannot_land(self, fid: int) -> bool:
+        """A push of *fid* cannot land, the kernel not knowing its inode (a plan written before the job
+        listed the dataset): count it failed and let it wait for note_known/note_lookup (lock held).
+        Checked and marked under the lock those take, which they do after the inode table counted
+        the kernel's lookup, so none is missed."""
+        if self.known is None or self.known(fid):
+            return False
+        self.push_failures += 1
+        self._push_pending.add(fid)
+        return True
 
     def _still_held(self, fid: int, pos: int) -> bool:
         """A suspect push: if the kernel still holds what the access needs (cachestat), record that
@@ -1270,6 +1285,8 @@ class DatasetCache:
             self._push_queued.discard(fid)
             if 0 <= fid < self.n_files and self._sizes[fid] == len(data) and not self._push_needed(fid, pos):
                 return  # the kernel is believed to hold it already
+            if self._cannot_land(fid):
+                return
             # make room in the kernel tier: drop what is used furthest (after this access, not pending)
             victims = self._ktier.make_room(fid, len(part), max(pos + 1, self._head)) if part else []
             for v in victims:

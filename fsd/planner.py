@@ -46,6 +46,7 @@ class Planner:
         push: Callable[[str, bytes], bool] | None,
         cached: Callable[[str, int], bool | None] | None = None,
         drop: Callable[[str], None] | None = None,
+        known: Callable[[str], bool] | None = None,
     ) -> None:
         self.root_fd = root_fd
         self.ram_bytes = ram_bytes
@@ -55,6 +56,7 @@ class Planner:
         self.push = push
         self.cached = cached
         self.drop = drop
+        self.known = known
         self._lock = threading.Lock()
         self._active: _Active | None = None
         self._unplanned_reads = 0
@@ -101,7 +103,7 @@ class Planner:
             new = _Active(plan, paths, old.cache)
         else:
             backend = Backend(self.root_fd, paths)
-            push, cached, drop = self.push, self.cached, self.drop
+            push, cached, drop, known = self.push, self.cached, self.drop, self.known
             cache = DatasetCache(
                 backend,
                 ram_bytes=self.ram_bytes,
@@ -111,6 +113,7 @@ class Planner:
                 push=(lambda fid, data: push(paths[fid], data)) if push else None,
                 cached=(lambda fid, n: cached(paths[fid], n)) if cached else None,
                 drop=(lambda fid: drop(paths[fid])) if drop else None,
+                known=(lambda fid: known(paths[fid])) if known else None,
             )
             cache.set_plan(stream)
             cache.start()

@@ -18,6 +18,7 @@ from fsd.backend import Backend
 from fsd.belady import optimal_hit_rate
 from fsd.dataset_cache import DatasetCache
 from fsd.prefetch import Task
+from fsd.tiers import SsdEntry, SsdTier
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -431,9 +432,14 @@ class InodeAwareKernel:
     def __init__(self) -> None:
         self.known: set[int] = set()
         self.pushed: list[int] = []
+        self.refused = 0
+
+    def knows(self, fid: int) -> bool:
+        return fid in self.known
 
     def push(self, fid: int, data: bytes) -> bool:
         if fid not in self.known:
+            self.refused += 1
             return False
         self.pushed.append(fid)
         return True
@@ -454,6 +460,43 @@ def test_a_failed_push_goes_when_the_kernel_learns_the_inode(ds: Dataset) -> Non
         cache.note_known(first)
         assert wait_for(lambda: first in kernel.pushed)
         assert cache.stats()["divergence"]["matched"] == 0  # a listing is not a read: no progress
+    finally:
+        cache.close()
+
+
+def test_a_push_the_kernel_cannot_take_reads_nothing_and_goes_when_it_can(ds: Dataset, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Told which inodes the kernel knows (``known``), the cache fails a push before reading the file
+    from its tier (a plan written before the job listed the dataset: every push of the first
+    epoch); the listing (note_known) still retries it."""
+    kernel = InodeAwareKernel()
+    reads: list[int] = []
+    pread = SsdTier.pread
+
+    def counting_pread(e: SsdEntry, off: int, n: int) -> bytes:
+        reads.append(n)
+        return pread(e, off, n)
+
+    monkeypatch.setattr(SsdTier, "pread", staticmethod(counting_pread))
+
+    cache = DatasetCache(ds.backend, ram_bytes=1 << 20, ssd_dir=tmp_path / "ssd", ssd_bytes=int(ds.sizes.sum() * 2),
+                         fetch_threads=2, push=kernel.push, known=kernel.knows)
+    stream = epochs_stream(len(ds.paths), 1, seed=8)
+    cache.set_plan(stream)
+    cache.start()
+    try:
+        def on_ssd_and_waiting() -> list[int]:
+            with cache._lock:
+                return [f for f in cache._push_pending if f in cache.ssd]
+
+        assert wait_for(lambda: len(on_ssd_and_waiting()) > 0)
+        assert cache.stats()["prefetch"]["push_failures"] > 0
+        assert kernel.refused == 0 and reads == []  # nothing read for a push that cannot land
+        f = on_ssd_and_waiting()[0]
+        kernel.known.add(f)
+        cache.note_known(f)
+        assert wait_for(lambda: f in kernel.pushed)
+        assert reads  # read from its tier only now
     finally:
         cache.close()
 
