@@ -27,7 +27,7 @@ from .attr_refresh import AttrRefresher
 from .control import CONTROL_INODE, ControlDir, Counters
 from .errors import fuse_errors
 from .inodes import InodeTable
-from .memory import cached_pages, drop_cached
+from .memory import PAGE, cached_pages, drop_cached
 from .planner import Planner
 from .revalidate import Revalidator, dir_fd_stat
 
@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 #: True when the installed pyfuse3 passes the inode as fh in no-open mode.
 NO_OPEN = bool(getattr(pyfuse3, "READ_FH_FALLBACK_INODE", False))
 
-PAGE = 4096
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 

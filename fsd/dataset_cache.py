@@ -127,15 +127,13 @@ import numpy as np
 from fsd.access_stream import NodeStream
 from fsd.backend import Backend
 from fsd.belady import NEVER, BeladyIndex, FileIndex, next_use
-from fsd.memory import LowWater, page_cache_room
+from fsd.memory import PAGE, LowWater, page_cache_room
 from fsd.page_cache import PageCacheTier
 from fsd.placement import RAM, SSD, compute_placement, first_uses, preference_order
 from fsd.prefetch import DIVERGED, SYNCED, LeadControl, Prefetcher, ProgressTracker, Task
 from fsd.tiers import RamTier, SsdTier
 
 log = logging.getLogger(__name__)
-
-PAGE = 4096
 
 
 @dataclass

@@ -11,12 +11,14 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import mmap
 import os
 from collections import deque
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+PAGE = mmap.PAGESIZE  # the page cache's unit: cachestat counts it, a beacon push stops short of its last one
 _UNLIMITED = 1 << 60
 
 
