@@ -96,13 +96,52 @@ def test_bench_data_small(tmp_path: Path) -> None:
     for ro in rounds:
         assert ro["epoch_speedup_vs_direct"] == pytest.approx(ro["direct_s"] / ro["fsd_s"], rel=1e-2)
         assert ro["ceiling_vs_direct"] == pytest.approx(ro["direct_s"] / ro["floor_s"], rel=1e-2)
-    for k in ("epoch_speedup_vs_direct", "ceiling_vs_direct", "fraction_of_ceiling"):
+        # 4.8 MB cross the throttled PFS in 0.08 s, well within the start-up: the bound is the ceiling
+        assert ro["bound_vs_direct"] == ro["ceiling_vs_direct"]
+    for k in ("epoch_speedup_vs_direct", "ceiling_vs_direct", "fraction_of_ceiling", "bound_vs_direct",
+              "fraction_of_bound"):
         assert r[k] == pytest.approx(sum(ro[k] for ro in rounds) / 2, abs=2e-3), k  # median of two
     assert r["hit_rate_vs_belady"] is not None and 0 < r["hit_rate_vs_belady"] <= 1.0 + 1e-9
     cache = t["fsd"]["cache"]
     assert cache["plan"]["accesses"] == 900 and cache["divergence"]["divergences"] == 0
     assert cache["prefetch"]["fills"] > 0  # staged from the launcher's plan
     assert r["steady_ratio_vs_tmpfs"] > 0
+
+
+def _bench_data_module() -> Any:
+    """tools/bench-data as a module (it has no .py suffix)."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader("bench_data", str(REPO / "tools/bench-data"))
+    spec = importlib.util.spec_from_loader("bench_data", loader)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    env = os.environ.get("FSD_BENCH_NO_REEXEC")
+    os.environ["FSD_BENCH_NO_REEXEC"] = "1"  # no exec into the venv: this is an import
+    try:
+        loader.exec_module(mod)
+    finally:
+        if env is None:
+            del os.environ["FSD_BENCH_NO_REEXEC"]
+    return mod
+
+
+def test_bench_data_bound_is_the_pfs_time_from_the_launch() -> None:
+    """The PFS bound: epoch 0 no shorter than the dataset's time through the throttle minus the
+    start-up it overlaps, nor than the floor's epoch 0; later epochs the floor's."""
+    bd = _bench_data_module()
+    floor = {"epoch_s": [2.0, 2.5, 2.5], "train_s": 7.1}  # epochs overlap a little across ranks
+    fsd = {"epoch_s": [11.0, 4.0, 4.0], "train_s": 19.0, "startup_s": 3.0, "job_s": 22.0}
+    direct = {"epoch_s": [14.0, 11.0, 10.0], "train_s": 35.0, "job_s": 38.0}
+    mb = 1 << 20
+    assert bd.bound_train_s(floor, fsd, 600 * mb, 60 * mb) == pytest.approx(7.1 + 5.0)  # 10 s - 3 s start-up
+    assert bd.bound_train_s(floor, fsd, 60 * mb, 60 * mb) == pytest.approx(7.1)  # within the start-up
+    assert bd.bound_train_s(floor, fsd, 600 * mb, None) == pytest.approx(7.1)  # not throttled: the floor
+    f = bd.round_figures(direct, floor, fsd, 600 * mb, 60 * mb)
+    assert f["bound_vs_direct"] == pytest.approx(35.0 / 12.1, abs=1e-3)
+    assert f["ceiling_vs_direct"] == pytest.approx(35.0 / 7.1, abs=1e-3)
+    assert f["fraction_of_bound"] == pytest.approx((35.0 / 19.0) / (35.0 / 12.1), abs=2e-3)
 
 
 @pytest.mark.mount
