@@ -87,23 +87,10 @@ class PageCacheTier:
         if self.capacity is None:
             return []
         over = self.used + nbytes - self._bytes.get(fid, 0) - self.capacity
-        victims: list[int] = []
-        keep: tuple[int, int] | None = None
-        while over > 0:
-            top = self._index.furthest()
-            if top is None or top[1] < floor:
-                self.short += 1
-                break
-            if top[0] == fid:  # the pushed file itself: its note() re-keys it
-                keep = top
-                self._index.remove(fid)
-                continue
-            victims.append(top[0])
-            over -= self._bytes[top[0]]
-            self.forget(top[0])
-        if keep is not None:
-            self._index.set(*keep)
-        self.drops += len(victims)
+        # the pushed file itself is passed over: its note() re-keys it
+        victims, ran_out = self._take_furthest(over, floor, lambda f: f == fid)
+        if ran_out:
+            self.short += 1
         return victims
 
     def shrink(self, floor: int, next_use: Callable[[int], int], max_kept: int = 256) -> list[int]:
@@ -113,15 +100,25 @@ class PageCacheTier:
         sooner. Forgotten here, like :meth:`make_room`'s victims."""
         if self.capacity is None:
             return []
-        over = self.used - self.capacity
+        victims, _ = self._take_furthest(self.used - self.capacity, floor, lambda f: next_use(f) < floor, max_kept)
+        self.room_drops += len(victims)
+        return victims
+
+    def _take_furthest(self, over: int, floor: int, keep: Callable[[int], bool],
+                       max_kept: int | None = None) -> tuple[list[int], bool]:
+        """Forget the furthest-keyed files, keyed at or after *floor*, until *over* bytes are freed,
+        passing over those *keep* says to keep (giving up after *max_kept* of them). Returns the
+        victims and whether the candidates ran out before *over* was freed."""
         victims: list[int] = []
         kept: list[tuple[int, int]] = []
-        while over > 0 and len(kept) < max_kept:
+        ran_out = False
+        while over > 0 and (max_kept is None or len(kept) < max_kept):
             top = self._index.furthest()
             if top is None or top[1] < floor:
+                ran_out = True
                 break
             self._index.remove(top[0])
-            if next_use(top[0]) < floor:
+            if keep(top[0]):
                 kept.append(top)
                 continue
             victims.append(top[0])
@@ -130,8 +127,7 @@ class PageCacheTier:
         for k in kept:
             self._index.set(*k)
         self.drops += len(victims)
-        self.room_drops += len(victims)
-        return victims
+        return victims, ran_out
 
     def stats(self) -> dict:
         return {"capacity": self.capacity, "bytes": self.used, "files": len(self._bytes), "drops": self.drops,
