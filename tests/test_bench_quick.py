@@ -108,29 +108,24 @@ def test_bench_data_small(tmp_path: Path) -> None:
     assert r["steady_ratio_vs_tmpfs"] > 0
 
 
-def _bench_data_module() -> Any:
+def _bench_data_module(monkeypatch: pytest.MonkeyPatch) -> Any:
     """tools/bench-data as a module (it has no .py suffix)."""
     import importlib.machinery
     import importlib.util
 
+    monkeypatch.setenv("FSD_BENCH_NO_REEXEC", "1")  # no exec into the venv: this is an import
     loader = importlib.machinery.SourceFileLoader("bench_data", str(REPO / "tools/bench-data"))
     spec = importlib.util.spec_from_loader("bench_data", loader)
     assert spec is not None
     mod = importlib.util.module_from_spec(spec)
-    env = os.environ.get("FSD_BENCH_NO_REEXEC")
-    os.environ["FSD_BENCH_NO_REEXEC"] = "1"  # no exec into the venv: this is an import
-    try:
-        loader.exec_module(mod)
-    finally:
-        if env is None:
-            del os.environ["FSD_BENCH_NO_REEXEC"]
+    loader.exec_module(mod)
     return mod
 
 
-def test_bench_data_bound_is_the_pfs_time_from_the_launch() -> None:
+def test_bench_data_bound_is_the_pfs_time_from_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The PFS bound: epoch 0 no shorter than the dataset's time through the throttle minus the
     start-up it overlaps, nor than the floor's epoch 0; later epochs the floor's."""
-    bd = _bench_data_module()
+    bd = _bench_data_module(monkeypatch)
     floor = {"epoch_s": [2.0, 2.5, 2.5], "train_s": 7.1}  # epochs overlap a little across ranks
     fsd = {"epoch_s": [11.0, 4.0, 4.0], "train_s": 19.0, "startup_s": 3.0, "job_s": 22.0}
     direct = {"epoch_s": [14.0, 11.0, 10.0], "train_s": 35.0, "job_s": 38.0}
