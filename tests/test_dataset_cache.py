@@ -486,8 +486,10 @@ def test_a_push_the_kernel_cannot_take_reads_nothing_and_goes_when_it_can(ds: Da
     cache.start()
     try:
         def on_ssd_and_waiting() -> list[int]:
+            """Pending pushes whose only copy is the SSD tier (a staged copy would serve the push from RAM)."""
             with cache._lock:
-                return [f for f in cache._push_pending if f in cache.ssd]
+                return [f for f in cache._push_pending
+                        if f in cache.ssd and f not in cache.ram and f not in cache._staged]
 
         assert wait_for(lambda: len(on_ssd_and_waiting()) > 0)
         assert cache.stats()["prefetch"]["push_failures"] > 0
