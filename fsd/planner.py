@@ -21,6 +21,11 @@ from .backend import Backend
 log = logging.getLogger(__name__)
 
 
+def _by_file_id(fn: Callable[..., Any] | None, paths: list[str]) -> Callable[..., Any] | None:
+    """*fn*, which takes a dataset path first, as a function of the file id (None stays None)."""
+    return None if fn is None else (lambda fid, *args: fn(paths[fid], *args))
+
+
 class _Active:
     """One applied plan: its file list, id map and cache."""
 
@@ -103,17 +108,16 @@ class Planner:
             new = _Active(plan, paths, old.cache)
         else:
             backend = Backend(self.root_fd, paths)
-            push, cached, drop, known = self.push, self.cached, self.drop, self.known
             cache = DatasetCache(
                 backend,
                 ram_bytes=self.ram_bytes,
                 ssd_dir=self.ssd_dir,
                 ssd_bytes=self.ssd_bytes,
                 fetch_threads=self.fetch_threads,
-                push=(lambda fid, data: push(paths[fid], data)) if push else None,
-                cached=(lambda fid, n: cached(paths[fid], n)) if cached else None,
-                drop=(lambda fid: drop(paths[fid])) if drop else None,
-                known=(lambda fid: known(paths[fid])) if known else None,
+                push=_by_file_id(self.push, paths),
+                cached=_by_file_id(self.cached, paths),
+                drop=_by_file_id(self.drop, paths),
+                known=_by_file_id(self.known, paths),
             )
             cache.set_plan(stream)
             cache.start()
