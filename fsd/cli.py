@@ -179,11 +179,11 @@ def _daemonize(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    f = args.path / ".fsd" / "status"
+    from .control import read_status
 
     def read() -> dict[str, Any]:
         try:
-            return json.loads(f.read_bytes())
+            return read_status(args.path)
         except FileNotFoundError:
             raise FsdError(f"{args.path} is not an fsd mount (no .fsd/status)") from None
 

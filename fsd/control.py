@@ -58,6 +58,15 @@ _FILES = {b"control": CONTROL_INODE, b"status": STATUS_INODE, b"error": ERROR_IN
 _MODES = {CONTROL_INODE: 0o600, STATUS_INODE: 0o444, ERROR_INODE: 0o444}
 
 
+def read_status(mountpoint: str | os.PathLike[str]) -> dict[str, Any]:
+    """A mount's ``.fsd/status`` as a dict, read unbuffered (Python's buffered ``open()`` would
+    ask ``isatty()``: an ioctl the daemon answers and counts in ``ops.ioctl``).
+
+    Raises ``FileNotFoundError`` when *mountpoint* is not an fsd mount."""
+    with open(os.path.join(mountpoint, CONTROL_NAME.decode(), "status"), "rb", buffering=0) as f:
+        return json.loads(f.read())
+
+
 class Counters:
     """Operation counters shown in ``.fsd/status`` (increments are GIL-atomic enough)."""
 

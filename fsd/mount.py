@@ -20,6 +20,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from .control import read_status
 from .errors import FsdError
 
 log = logging.getLogger(__name__)
@@ -183,14 +184,13 @@ async def _watch_signals(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
 
 def _daemon_pid(path: Path, timeout: float = 5.0) -> int | None:
     """The daemon's pid from ``.fsd/status``; None if it does not answer in time."""
-    import json
     import threading
 
     out: list[int | None] = [None]
 
     def read() -> None:
         try:
-            out[0] = json.loads((path / ".fsd" / "status").read_bytes()).get("pid")
+            out[0] = read_status(path).get("pid")
         except (OSError, ValueError):
             pass
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from fsd.control import read_status
+
 REPO = Path(__file__).resolve().parents[1]
 FSD = [sys.executable, "-m", "fsd.cli"]
 
@@ -79,7 +81,7 @@ class Mount:
         return self.log.read_text(errors="replace")
 
     def status(self) -> dict:
-        return json.loads((self.mountpoint / ".fsd" / "status").read_bytes())
+        return read_status(self.mountpoint)
 
     def control(self, doc: dict | str | bytes) -> None:
         """Write a control document (raises OSError(EINVAL) if refused)."""

@@ -339,12 +339,6 @@ def fsd_cmd(python: str = sys.executable) -> list[str]:
     return [str(exe)] if exe.exists() else [python, "-m", "fsd.cli"]
 
 
-def fsd_status(mountpoint: Path) -> dict[str, Any]:
-    """The mount's ``.fsd/status``, read unbuffered: no ``isatty()`` ioctl to count in ``ops.ioctl``."""
-    with open(mountpoint / ".fsd" / "status", "rb", buffering=0) as f:
-        return json.loads(f.read())
-
-
 @contextlib.contextmanager
 def fsd_data_mount(source: Path, mountpoint: Path, logfile: Path, *options: str,
                    cg: MemCgroup | None = None) -> Iterator[None]:
