@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -22,7 +23,7 @@ import trio
 from fsd.manifest import DATA_DIR, data_name
 
 if TYPE_CHECKING:
-    from fsd.ckptfs import CheckpointOperations, Node
+    from fsd.ckpt_namespace import Namespace, Node
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,10 @@ def _open_parent(root_fd: int, rel: str) -> tuple[int, str]:
     return fd, parts[-1]
 
 
-def copy_out(ops: "CheckpointOperations", node_id: int, layout: Any, size: int, rel: str,
+def copy_out(device_roots: list[Path], node_id: int, layout: Any, size: int, rel: str,
              backing_fd: int) -> None:
     """Blocking: copy a finished file's stripes to *rel* under *backing_fd*."""
-    devs = [d / DATA_DIR / data_name(node_id) for d in ops.device_roots]
+    devs = [d / DATA_DIR / data_name(node_id) for d in device_roots]
     fds: dict[int, int] = {}
     pfd, base = _open_parent(backing_fd, rel)
     tmp = base + ".fsd-drain.tmp"
@@ -92,8 +93,8 @@ def copy_out(ops: "CheckpointOperations", node_id: int, layout: Any, size: int, 
 class Drainer:
     """Copies finished checkpoint files to the backing directory, one at a time."""
 
-    def __init__(self, ops: "CheckpointOperations", backing_fd: int) -> None:
-        self.ops = ops
+    def __init__(self, ns: "Namespace", backing_fd: int) -> None:
+        self.ns = ns
         self.backing_fd = backing_fd
         self._send, self._recv = trio.open_memory_channel[tuple["Node", int]](10_000)
         self.limiter = trio.CapacityLimiter(1)
@@ -112,7 +113,7 @@ class Drainer:
             self.queued += 1
             self._busy += 1
         except trio.WouldBlock:
-            log.warning("drain queue full; %s not drained", self.ops._path(node))
+            log.warning("drain queue full; %s not drained", self.ns.path(node))
 
     async def run(self) -> None:
         """Background task: drain queued files until stopped."""
@@ -128,20 +129,20 @@ class Drainer:
                     self._idle = trio.Event()
 
     async def _one(self, node: "Node", version: int) -> None:
-        ops = self.ops
+        ns = self.ns
         if not (node.linked and node.published and node.version == version and node.fs is not None):
             return
-        rel = ops._path(node)
+        rel = ns.path(node)
         size, layout = node.fs.size, node.fs.layout
         t0 = time.perf_counter()
         try:
-            await trio.to_thread.run_sync(copy_out, ops, node.id, layout, size, rel, self.backing_fd,
+            await trio.to_thread.run_sync(copy_out, ns.device_roots, node.id, layout, size, rel, self.backing_fd,
                                           limiter=self.limiter)
         except OSError as e:
             self.errors[rel] = f"{os.strerror(e.errno or errno.EIO)}: {e}"
             log.error("drain of %s failed: %s", rel, e)
             return
-        if node.linked and node.version == version and ops._path(node) == rel:
+        if node.linked and node.version == version and ns.path(node) == rel:
             dt = time.perf_counter() - t0
             self.drained[rel] = {"bytes": size, "seconds": round(dt, 3), "unix": time.time()}
             self.bytes += size
