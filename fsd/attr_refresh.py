@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .threads import name_os_thread
+
 log = logging.getLogger(__name__)
 
 
@@ -110,6 +112,7 @@ class AttrRefresher:
         return n
 
     def _run(self) -> None:
+        name_os_thread()
         while not self._stop.is_set():
             with self._lock:
                 pending = bool(self._stale)

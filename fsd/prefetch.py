@@ -79,6 +79,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fsd.belady import NEVER, FileIndex
+from fsd.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -398,6 +399,7 @@ class Prefetcher:
         return self._stop.is_set()
 
     def _coordinator(self) -> None:
+        name_os_thread()
         while not self._stop.is_set():
             try:
                 tasks = self._schedule()
@@ -410,6 +412,7 @@ class Prefetcher:
                 self._wait(0.02)
 
     def _work(self, q: queue.SimpleQueue[Task | None]) -> None:
+        name_os_thread()
         while True:
             t = q.get()
             if t is None or self._stop.is_set():

@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
+from .threads import name_os_thread
+
 log = logging.getLogger(__name__)
 
 Signature = tuple[int, int, int]
@@ -196,6 +198,7 @@ class Revalidator:
         return found
 
     def _run(self) -> None:
+        name_os_thread()
         log.info("revalidator started (%.0f stats/s, sweep every %.1f s)", self.rate, self.interval)
         while not self._stop.is_set():
             t0 = time.monotonic()

@@ -34,6 +34,7 @@ import trio
 
 from fsd.manifest import DATA_DIR, data_name
 from fsd.striping import ALIGN, Layout, align_up
+from fsd.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +218,7 @@ class DeviceIO:
             pass
 
     def _run(self) -> None:
+        name_os_thread()
         while True:
             item = self.queue.get()
             if item is None:
