@@ -167,6 +167,25 @@ def test_rate_is_bounded(tree) -> None:
     assert r.status()["last_sweep_s"] >= 0.15
 
 
+def test_rate_is_held_in_bursts_not_a_sleep_per_stat(tree) -> None:
+    """Each sleep costs a wake-up: the rate is held over ``PACE_S`` bursts (was one sleep every 5 ms,
+    4x the CPU of the stats themselves)."""
+    fd, files = tree
+    r = _reval(fd, files, _Recorder(), rate=200.0)
+    sleeps: list[float] = []
+    wait = r._stop.wait
+
+    def counting_wait(timeout: float | None = None) -> bool:
+        sleeps.append(timeout or 0.0)
+        return wait(timeout)
+
+    r._stop.wait = counting_wait  # type: ignore[method-assign]
+    for _ in range(3):
+        r.sweep()  # 60 stats at 200/s: 0.3 s
+    assert 1 <= len(sleeps) <= 8, sleeps  # 0.3 s in bursts of 50 ms or more
+    assert all(s > 0.045 for s in sleeps[1:]), sleeps
+
+
 def test_background_thread_reports_and_stops(tree) -> None:
     fd, files = tree
     rec = _Recorder()
