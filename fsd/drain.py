@@ -136,8 +136,8 @@ class Drainer:
         size, layout = node.fs.size, node.fs.layout
         t0 = time.perf_counter()
         try:
-            await trio.to_thread.run_sync(copy_out, ns.device_roots, node.id, layout, size, rel, self.backing_fd,
-                                          limiter=self.limiter)
+            await trio.to_thread.run_sync(copy_out, ns.device_roots, node.id, layout, size, rel,
+                                          self.backing_fd, limiter=self.limiter)
         except OSError as e:
             self.errors[rel] = f"{os.strerror(e.errno or errno.EIO)}: {e}"
             log.error("drain of %s failed: %s", rel, e)
