@@ -718,10 +718,10 @@ class DatasetCache:
     def _resident(self, fid: int) -> bool:
         return fid in self.ram or fid in self.ssd
 
-    def _wait(self, timeout: float) -> None:
+    def _wait(self, timeout: float) -> bool:
+        """Block the coordinator until notified (True) or *timeout* runs out (False)."""
         with self._cond:
-            if not self._closed:
-                self._cond.wait(timeout)
+            return not self._closed and self._cond.wait(timeout)
 
     # ------------------------------------------------------------------ scheduling (coordinator thread)
     def _schedule(self) -> list[Task]:

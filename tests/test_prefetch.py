@@ -125,7 +125,7 @@ def test_prefetcher_runs_tasks_in_order_on_worker_threads() -> None:
             names.add(threading.current_thread().name)
             cv.notify_all()
 
-    p = Prefetcher(schedule, execute, lambda s: time.sleep(s), fetch_threads=1)
+    p = Prefetcher(schedule, execute, lambda s: time.sleep(s) or False, fetch_threads=1)
     p.start()
     with cv:
         assert cv.wait_for(lambda: len(done) == 200, timeout=10)
@@ -456,7 +456,7 @@ def test_pushes_run_in_order_on_one_thread_fetches_in_parallel() -> None:
         with lock:
             done.append((t.kind, t.fid, threading.current_thread().name))
 
-    p = Prefetcher(schedule, execute, lambda timeout: time.sleep(timeout), fetch_threads=n_fetch)
+    p = Prefetcher(schedule, execute, lambda timeout: time.sleep(timeout) or False, fetch_threads=n_fetch)
     p.start()
     try:
         deadline = time.monotonic() + 10
