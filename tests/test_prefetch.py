@@ -133,6 +133,29 @@ def test_prefetcher_runs_tasks_in_order_on_worker_threads() -> None:
     assert done == list(range(200)) and names == {"fsd-fetch-0"}
 
 
+def test_an_idle_coordinator_waits_longer_while_nothing_wakes_it() -> None:
+    """Waits that run out double from IDLE_WAIT_S to IDLE_WAIT_MAX_S (each one that runs out costs
+    CPU); a wait ended by a notify starts over at IDLE_WAIT_S."""
+    waits: list[float] = []
+    woken = {12}  # the 13th wait is ended by a notify
+    enough = threading.Event()
+
+    def wait(timeout: float) -> bool:
+        waits.append(timeout)
+        if len(waits) >= 16:
+            enough.set()
+            time.sleep(0.01)
+        return len(waits) - 1 in woken
+
+    p = Prefetcher(lambda: [], lambda t: None, wait, fetch_threads=1)
+    p.start()
+    assert enough.wait(10)
+    p.close()
+    lo, hi = Prefetcher.IDLE_WAIT_S, Prefetcher.IDLE_WAIT_MAX_S
+    assert waits[:5] == [lo, 2 * lo, 4 * lo, hi, hi], waits
+    assert waits[12] == hi and waits[13] == lo and waits[14] == 2 * lo, waits
+
+
 class PageCache:
     """The kernel side: an LRU page cache of bounded bytes; inodes known after a lookup."""
 
