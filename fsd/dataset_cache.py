@@ -66,8 +66,9 @@ Pushing
     suspect (LRU). A suspect is re-pushed when needed unless ``cachestat(2)``
     through the mount says the kernel still holds it (``push_verified``);
     ``invalidate`` forgets the file; ``drop_caches`` is seen in
-    ``/proc/vmstat`` (``drop_pagecache``) within 50 ms and re-pushes the lead
-    before the reader gets there (``page_cache_drops``). A wrong belief costs a
+    ``/proc/vmstat`` (``drop_pagecache``) within 50-100 ms (the coordinator's
+    idle wait) and re-pushes the lead before the reader gets there
+    (``page_cache_drops``). A wrong belief costs a
     round trip, never bytes: a page the kernel lacks is read through us.
 
     How far ahead pushes go is bounded by the page cache's room (a quarter,
