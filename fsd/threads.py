@@ -6,22 +6,18 @@ threads. Each long-lived fsd thread calls :func:`name_os_thread` first thing."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import threading
 
 log = logging.getLogger(__name__)
 
 _PR_SET_NAME = 15
-_libc = None
 
 
 def name_os_thread() -> None:
     """Give the calling OS thread its Python thread's name (the kernel keeps 15 bytes)."""
-    global _libc
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        _libc.prctl(_PR_SET_NAME, threading.current_thread().name.encode()[:15], 0, 0, 0)
+        libc = ctypes.CDLL(None, use_errno=True)  # the process's own libc, as fsd.memory opens it
+        libc.prctl(_PR_SET_NAME, threading.current_thread().name.encode()[:15], 0, 0, 0)
     except (OSError, AttributeError) as e:  # not Linux/glibc: names are cosmetic
         log.debug("cannot name thread: %s", e)
