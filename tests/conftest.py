@@ -162,6 +162,16 @@ def make_tree(root: Path, n_classes: int = 3, per_class: int = 5, size: int = 10
     os.chmod(root / "readme.txt", 0o640)
 
 
+def device_dirs(tmp_path: Path, n: int) -> list[Path]:
+    """*n* empty directories standing in for the checkpoint mount's devices."""
+    out = []
+    for i in range(n):
+        d = tmp_path / f"nvme{i}"
+        d.mkdir()
+        out.append(d)
+    return out
+
+
 def write_until_error(path: Path, mib: int) -> OSError | None:
     """Write *mib* MiB of random bytes to *path* and fsync; the OSError a writer saw, or None."""
     try:

@@ -14,21 +14,13 @@ from typing import Any
 import pytest
 import trio
 
+from conftest import device_dirs
 from fsd import manifest as mf
 from fsd.ckpt_namespace import Namespace, Node
 from fsd.manifest import ROOT_ID
 
 KiB = 1 << 10
 UID, GID = os.getuid(), os.getgid()
-
-
-def _devices(tmp_path: Path, n: int = 3) -> list[Path]:
-    out = []
-    for i in range(n):
-        d = tmp_path / f"nvme{i}"
-        d.mkdir(exist_ok=True)
-        out.append(d)
-    return out
 
 
 def _run(devices: list[Path], body: Callable[[Namespace], Awaitable[Any]]) -> tuple[Any, Namespace]:
@@ -80,7 +72,7 @@ def _manifests(devices: list[Path]) -> dict[int, mf.Manifest]:
 
 
 def test_files_and_directories_come_back_in_a_new_namespace(tmp_path: Path) -> None:
-    devs = _devices(tmp_path)
+    devs = device_dirs(tmp_path, 3)
     blob = os.urandom(300 * KiB + 17)  # over several stripes and devices
 
     async def first(ns: Namespace) -> None:
@@ -99,7 +91,7 @@ def test_files_and_directories_come_back_in_a_new_namespace(tmp_path: Path) -> N
 
 
 def test_rename_over_a_file_publishes_the_new_name_first_and_frees_the_old_data(tmp_path: Path) -> None:
-    devs = _devices(tmp_path)
+    devs = device_dirs(tmp_path, 3)
     old, new = os.urandom(200 * KiB), os.urandom(150 * KiB)
 
     async def body(ns: Namespace) -> tuple[int, int, dict[int, mf.Manifest], set[str]]:
@@ -127,7 +119,7 @@ def test_rename_over_a_file_publishes_the_new_name_first_and_frees_the_old_data(
 
 
 def test_a_file_still_open_for_writing_at_stop_is_reported_never_shown_short(tmp_path: Path) -> None:
-    devs = _devices(tmp_path)
+    devs = device_dirs(tmp_path, 3)
 
     async def body(ns: Namespace) -> None:
         root = ns.nodes[ROOT_ID]
@@ -147,7 +139,7 @@ def test_a_file_still_open_for_writing_at_stop_is_reported_never_shown_short(tmp
 
 
 def test_an_unlinked_file_stays_readable_until_its_last_handle_closes(tmp_path: Path) -> None:
-    devs = _devices(tmp_path)
+    devs = device_dirs(tmp_path, 3)
     blob = os.urandom(100 * KiB)
 
     async def body(ns: Namespace) -> None:
@@ -170,7 +162,7 @@ def test_an_unlinked_file_stays_readable_until_its_last_handle_closes(tmp_path: 
 
 
 def test_namespace_refusals_carry_their_errno(tmp_path: Path) -> None:
-    devs = _devices(tmp_path)
+    devs = device_dirs(tmp_path, 3)
 
     async def body(ns: Namespace) -> None:
         root = ns.nodes[ROOT_ID]

@@ -11,6 +11,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import device_dirs
 from fsd import manifest as mf
 from fsd.manifest import Manifest, ManifestError
 from fsd.recovery import recover
@@ -84,17 +85,8 @@ def test_publish_replaces_atomically_and_scan_drops_tmp(tmp_path: Path) -> None:
 
 
 # -- write-back ----------------------------------------------------------------------------
-def _devices(tmp_path: Path, n: int) -> list[Path]:
-    out = []
-    for i in range(n):
-        d = tmp_path / f"nvme{i}"
-        d.mkdir()
-        out.append(d)
-    return out
-
-
 def test_writeback_random_writes_truncates_match_a_model(tmp_path: Path) -> None:
-    devs = _devices(tmp_path, 3)
+    devs = device_dirs(tmp_path, 3)
     rng = random.Random(7)
 
     async def main() -> None:
@@ -134,7 +126,7 @@ def test_backpressure_bounds_memory_and_other_tasks_keep_running(tmp_path: Path,
 
     from fsd import writeback
 
-    devs = _devices(tmp_path, 2)
+    devs = device_dirs(tmp_path, 2)
     real = os.pwritev
 
     def slow_pwritev(fd: int, bufs: list, off: int) -> int:
@@ -178,7 +170,7 @@ def test_device_error_reaches_the_writer_and_status_names_the_device(tmp_path: P
 
     from fsd import writeback
 
-    devs = _devices(tmp_path, 2)
+    devs = device_dirs(tmp_path, 2)
     real = os.pwritev
     bad_fds: set[int] = set()
     real_open = os.open
@@ -218,7 +210,7 @@ def test_device_error_reaches_the_writer_and_status_names_the_device(tmp_path: P
 
 # -- recovery ------------------------------------------------------------------------------
 def test_recovery_resolves_replicas_renames_and_unfinished_files(tmp_path: Path) -> None:
-    devs = _devices(tmp_path, 2)
+    devs = device_dirs(tmp_path, 2)
     ids = [__import__("fsd.recovery", fromlist=["x"]).device_identity(d) for d in devs]
 
     def put(m: Manifest, on: list[int]) -> None:
@@ -255,7 +247,7 @@ def test_recovery_resolves_replicas_renames_and_unfinished_files(tmp_path: Path)
 
 
 def test_sequential_restore_prefetches_stripes_and_stays_coherent_with_writes(tmp_path: Path) -> None:
-    devs = _devices(tmp_path, 4)
+    devs = device_dirs(tmp_path, 4)
     data = os.urandom(10 * MiB + 777)
 
     async def main() -> None:
