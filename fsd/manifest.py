@@ -17,7 +17,7 @@ import logging
 import os
 import zlib
 from dataclasses import asdict, dataclass, field
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,16 @@ def scan(device_root: Path) -> tuple[list[Manifest], list[str]]:
             continue
         found.append(m)
     return found, problems
+
+
+def newest(manifests: Iterable[Manifest]) -> dict[int, Manifest]:
+    """The newest manifest (highest ``seq``) of every node among *manifests*, e.g. from
+    :func:`scan` of every device: what recovery starts from."""
+    best: dict[int, Manifest] = {}
+    for m in manifests:
+        if m.id not in best or m.seq > best[m.id].seq:
+            best[m.id] = m
+    return best
 
 
 class MetaStore:

@@ -91,16 +91,15 @@ def recover(devices: list[Path]) -> Recovered:
     ids = [device_identity(d) for d in devices]
     if len(set(ids)) != len(ids):
         raise ValueError("the same device directory is given twice")
-    best: dict[int, Manifest] = {}
     per_dev: list[dict[int, int]] = []  # device -> id -> seq present
     problems: list[str] = []
+    everything: list[Manifest] = []
     for d in devices:
         found, probs = mf.scan(d)
         problems += probs
         per_dev.append({m.id: m.seq for m in found})
-        for m in found:
-            if m.id not in best or m.seq > best[m.id].seq:
-                best[m.id] = m
+        everything += found
+    best = mf.newest(everything)
     max_seq = max((m.seq for m in best.values()), default=0)
     data_ids: set[int] = set()
     for d in devices:

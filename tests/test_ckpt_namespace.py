@@ -62,13 +62,8 @@ async def _read_path(ns: Namespace, path: str) -> bytes:
 
 
 def _manifests(devices: list[Path]) -> dict[int, mf.Manifest]:
-    """The newest manifest of every node, as recovery would find it (read only)."""
-    best: dict[int, mf.Manifest] = {}
-    for d in devices:
-        for m in mf.scan(d)[0]:
-            if m.id not in best or m.seq > best[m.id].seq:
-                best[m.id] = m
-    return best
+    """The newest manifest of every node, as recovery would find it (without its repairs)."""
+    return mf.newest(m for d in devices for m in mf.scan(d)[0])
 
 
 def test_files_and_directories_come_back_in_a_new_namespace(tmp_path: Path) -> None:

@@ -84,6 +84,13 @@ def test_publish_replaces_atomically_and_scan_drops_tmp(tmp_path: Path) -> None:
     assert sorted(os.listdir(dev / mf.META_DIR)) == [mf.meta_name(20)]
 
 
+def test_newest_keeps_each_nodes_highest_seq_in_any_order() -> None:
+    older, newer, other = _m(seq=4, size=1), _m(seq=9, size=2), _m(id=21, seq=1, name="b.pt")
+    for order in ([older, newer, other], [newer, other, older]):
+        assert mf.newest(order) == {20: newer, 21: other}
+    assert mf.newest([]) == {}
+
+
 # -- write-back ----------------------------------------------------------------------------
 def test_writeback_random_writes_truncates_match_a_model(tmp_path: Path) -> None:
     devs = device_dirs(tmp_path, 3)
