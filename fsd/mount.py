@@ -143,14 +143,13 @@ async def _trim_heap() -> None:
     while live Python objects stayed at ~6 MB). Trimming keeps RSS bounded
     without forcing every buffer into its own mmap.
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own libc, as fsd.memory opens it
+    if trim is None:  # not glibc
         return
     limiter = trio.CapacityLimiter(1)
     while True:
         await trio.sleep(TRIM_INTERVAL_S)
-        await trio.to_thread.run_sync(libc.malloc_trim, 0, limiter=limiter)
+        await trio.to_thread.run_sync(trim, 0, limiter=limiter)
 
 
 #: Signals that arrived before the trio receiver was installed.
