@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +96,12 @@ def test_bench_data_small(tmp_path: Path) -> None:
     last = rounds[-1]  # the halves reported in full are the last round's
     assert (last["direct_s"], last["floor_s"], last["fsd_s"]) == \
         (t["direct"]["train_s"], t["floor"]["train_s"], t["fsd"]["train_s"])
+    phases = t["fsd"]["daemon_cpu_s"]
+    assert list(phases) == ["startup", "epoch0", "epoch1", "epoch2"] and last["fsd_daemon_cpu_s"] == phases
+    # back-to-back phases within the span the status's cpu_s covers (the plan's write to the trainers' exit)
+    assert 0 < sum(ph["total"] for ph in phases.values()) <= t["fsd"]["cpu_s"]["daemon"] + 0.1
+    assert {g for ph in phases.values() for g in ph["by_thread"]} <= \
+        {*benchlib.THREAD_GROUPS.values(), "fetch", "workers"}
     for ro in rounds:
         assert ro["epoch_speedup_vs_direct"] == pytest.approx(ro["direct_s"] / ro["fsd_s"], rel=1e-2)
         assert ro["ceiling_vs_direct"] == pytest.approx(ro["direct_s"] / ro["floor_s"], rel=1e-2)
@@ -186,3 +195,31 @@ def test_bench_helpers(tmp_path: Path) -> None:
     xs, ys = benchlib.throughput_series([(10.2, 4), (10.7, 4), (12.1, 8)], 10.0, 1.0)
     assert xs == [0.5, 1.5, 2.5] and ys == [8.0, 0.0, 8.0]
     assert emulate.parse_size("1.5G") == 3 << 29
+
+
+def test_thread_cpu_sampler_splits_a_process_cpu_by_thread_name() -> None:
+    """The per-epoch daemon figures' sampler: a busy thread named as fsd names its push thread is
+    counted in the push group, and the process total covers it."""
+    from fsd.threads import name_os_thread
+
+    stop = threading.Event()
+    block = bytes(1 << 20)
+
+    def busy() -> None:
+        name_os_thread()
+        while not stop.is_set():
+            hashlib.sha256(block).digest()  # CPU work with the GIL released: the sampler keeps its pace
+
+    t = threading.Thread(target=busy, name="fsd-push")
+    with benchlib.ThreadCpuSampler(os.getpid(), period=0.05) as sampler:
+        t0 = benchlib.now()
+        t.start()
+        time.sleep(0.6)
+        t1 = benchlib.now()
+        time.sleep(0.2)  # samples near t1 see the thread alive (an ended thread's share is lost)
+        stop.set()
+        t.join()
+    got = sampler.between(t0, t1)
+    assert got["by_thread"].get("push", 0) >= 0.2, got
+    assert got["total"] >= got["by_thread"]["push"] - 0.02
+    assert benchlib.thread_group("fsd-fetch-3") == "fetch" and benchlib.thread_group("Trio thread 2") == "workers"

@@ -400,6 +400,82 @@ def abort_fuse(conn: int) -> bool:
     return abort_connection_id(conn)
 
 
+#: How the daemon's OS thread names (fsd.threads) group in per-epoch CPU figures; any other name is
+#: one of trio's worker threads (READs from the SSD tier, directory listings, control writes).
+THREAD_GROUPS = {"fsd-push": "push", "fsd-prefetch": "coordinator", "fsd-revalidate": "revalidate",
+                 "fsd-attr-refres": "attr_refresh", "fsd-preload": "preload",
+                 "fsd": "loop_and_reader"}  # "fsd": the trio loop and pyfuse3's C reader thread
+
+
+def thread_group(name: str) -> str:
+    """The group of an fsd daemon thread called *name* (``fsd-fetch-3`` -> ``fetch``)."""
+    return "fetch" if name.startswith("fsd-fetch") else THREAD_GROUPS.get(name, "workers")
+
+
+def _cpu_s(stat: str) -> float:
+    """utime + stime in seconds from a ``/proc/.../stat`` line."""
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class ThreadCpuSampler:
+    """Samples a process's CPU, in all and per thread group, every *period* seconds from ``/proc``
+    (no request to the daemon: reading ``.fsd/status`` would be one), for per-epoch figures."""
+
+    def __init__(self, pid: int, period: float = 0.5) -> None:
+        self.pid, self.period = pid, period
+        self.samples: list[tuple[float, float, dict[str, float]]] = []  # (t, process total, per group)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def sample(self) -> None:
+        """Take one sample now (nothing once the process is gone)."""
+        groups: dict[str, float] = {}
+        t = now()
+        try:
+            tids = os.listdir(f"/proc/{self.pid}/task")
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        for tid in tids:
+            try:
+                with open(f"/proc/{self.pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # the thread ended
+            g = thread_group(stat[stat.index("(") + 1:stat.rindex(")")])
+            groups[g] = groups.get(g, 0.0) + _cpu_s(stat)
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:  # last: it covers every thread read before it
+                total = _cpu_s(f.read())
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        self.samples.append((t, total, groups))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.sample()
+
+    def __enter__(self) -> ThreadCpuSampler:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    def between(self, t0: float, t1: float) -> dict[str, Any]:
+        """CPU seconds used from *t0* to *t1* (the nearest samples), in all and per group. A group's
+        threads that ended in between lose their share; ``total`` (the process's) keeps it."""
+        if not self.samples:
+            return {}
+        a = min(self.samples, key=lambda s: abs(s[0] - t0))
+        b = min(self.samples, key=lambda s: abs(s[0] - t1))
+        groups = {g: round(v - a[2].get(g, 0.0), 2) for g, v in sorted(b[2].items())}
+        return {"total": round(b[1] - a[1], 2), "by_thread": {g: v for g, v in groups.items() if v > 0}}
+
+
 def throughput_series(step_log: Sequence[tuple[float, int]], t0: float, bin_s: float = 1.0) -> tuple[list[float], list[float]]:
     """(time, samples/s) per ``bin_s`` bin from (timestamp, samples) step records."""
     if not step_log:
