@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .backend import Backend
+from .threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Planner:
         with the job's own start-up instead."""
 
         def load() -> None:
+            name_os_thread()
             t0 = time.monotonic()
             from . import access_stream, dataset_cache  # noqa: F401
             log.debug("planning modules imported in %.2f s", time.monotonic() - t0)
