@@ -400,11 +400,12 @@ def abort_fuse(conn: int) -> bool:
     return abort_connection_id(conn)
 
 
-#: How the daemon's OS thread names (fsd.threads) group in per-epoch CPU figures; any other name is
-#: one of trio's worker threads (READs from the SSD tier, directory listings, control writes).
+#: How the daemon's OS thread names (fsd.threads) group in per-epoch CPU figures. "fsd", the
+#: process's own name, is kept by the trio loop, pyfuse3's C reader thread and native libraries'
+#: threads; any name not listed is one of trio's worker threads (READs from the SSD tier,
+#: directory listings, control writes).
 THREAD_GROUPS = {"fsd-push": "push", "fsd-prefetch": "coordinator", "fsd-revalidate": "revalidate",
-                 "fsd-attr-refres": "attr_refresh", "fsd-preload": "preload",
-                 "fsd": "loop_and_reader"}  # "fsd": the trio loop and pyfuse3's C reader thread
+                 "fsd-attr-refres": "attr_refresh", "fsd-preload": "preload", "fsd": "loop_and_reader"}
 
 
 def thread_group(name: str) -> str:
@@ -412,10 +413,13 @@ def thread_group(name: str) -> str:
     return "fetch" if name.startswith("fsd-fetch") else THREAD_GROUPS.get(name, "workers")
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
 def _cpu_s(stat: str) -> float:
     """utime + stime in seconds from a ``/proc/.../stat`` line."""
     fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
 class ThreadCpuSampler:
