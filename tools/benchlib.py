@@ -426,7 +426,7 @@ class ThreadCpuSampler:
     """Samples a process's CPU, in all and per thread group, every *period* seconds from ``/proc``
     (no request to the daemon: reading ``.fsd/status`` would be one), for per-epoch figures."""
 
-    def __init__(self, pid: int, period: float = 0.5) -> None:
+    def __init__(self, pid: int, period: float) -> None:
         self.pid, self.period = pid, period
         self.samples: list[tuple[float, float, dict[str, float]]] = []  # (t, process total, per group)
         self._stop = threading.Event()
