@@ -30,11 +30,14 @@ from .inodes import InodeTable
 from .memory import PAGE, cached_pages, drop_cached
 from .planner import Planner
 from .revalidate import Revalidator, dir_fd_stat
+from .tiers import no_direct, read_buffer
 
 log = logging.getLogger(__name__)
 
 #: True when the installed pyfuse3 passes the inode as fh in no-open mode.
 NO_OPEN = bool(getattr(pyfuse3, "READ_FH_FALLBACK_INODE", False))
+#: True when the installed pyfuse3 reads a file and stores it in the page cache in one call.
+STORE_FILE = bool(getattr(pyfuse3, "STORE_FILE", False))
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
@@ -74,6 +77,7 @@ class DataOperations(pyfuse3.Operations):
             ssd_bytes=ssd_bytes,
             fetch_threads=fetch_threads,
             push=self._push,
+            push_file=self._push_file if STORE_FILE else None,
             cached=self._cached if mountpoint is not None else None,
             drop=self._drop if mountpoint is not None else None,
             known=self._known,
@@ -165,6 +169,29 @@ class DataOperations(pyfuse3.Operations):
             log.debug("notify_store(%s) failed: %s", path, e)
             return False
         return True
+
+    def _push_file(self, path: str, tier_path: str, n: int, stores: int) -> bool:
+        """Put the first *n* bytes of the tier copy at *tier_path* into the kernel page cache for *path*,
+        *stores* times, if it knows the inode: read and stored in one call without the GIL (the pyfuse3
+        patch). Raises FileNotFoundError if the copy is gone."""
+        ino = self._known_ino(path)
+        if ino is None:
+            return False
+        buf, direct = read_buffer(n)
+        while True:
+            try:
+                pyfuse3.notify_store_file(ino, tier_path, n, stores, buf, direct)
+                return True
+            except OSError as e:
+                reading = e.filename is not None  # a failed store has none (ENOENT: the kernel forgot ino)
+                if reading and e.errno == errno.ENOENT:
+                    raise
+                if reading and direct and e.errno == errno.EINVAL:
+                    no_direct(tier_path, e)
+                    direct = False
+                    continue
+                log.debug("notify_store_file(%s, %s) failed: %s", path, tier_path, e)
+                return False
 
     def _through_mount(self, path: str) -> str | None:
         """*path* through this mount if the kernel knows its inode, else None (then it holds no pages

@@ -132,7 +132,7 @@ from fsd.memory import PAGE, LowWater, page_cache_room
 from fsd.page_cache import PageCacheTier
 from fsd.placement import RAM, SSD, compute_placement, first_uses, preference_order
 from fsd.prefetch import DIVERGED, SYNCED, LeadControl, Prefetcher, ProgressTracker, Task
-from fsd.tiers import RamTier, SsdTier
+from fsd.tiers import RamTier, SsdEntry, SsdTier
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +187,7 @@ class DatasetCache:
 
     def __init__(self, backend: Backend, *, ram_bytes: int, ssd_dir: Path | None = None, ssd_bytes: int = 0,
                  fetch_threads: int = 8, push: Callable[[int, bytes], bool] | None = None,
+                 push_file: Callable[[int, str, int, int], bool] | None = None,
                  cached: Callable[[int, int], bool | None] | None = None,
                  drop: Callable[[int], None] | None = None,
                  known: Callable[[int], bool] | None = None,
@@ -198,6 +199,9 @@ class DatasetCache:
         self.ram = RamTier(self.ram_bytes - self.staging_cap)
         self.ssd = SsdTier(ssd_dir, ssd_bytes)
         self.push = push
+        # (fid, tier copy's path, n, stores) -> push the copy's first n bytes, read and stored in one call
+        # without the GIL (pyfuse3 patch); FileNotFoundError if the copy is gone. None: read, then push.
+        self.push_file = push_file if push is not None else None
         self.cached = cached  # (fid, n) -> whether the kernel holds bytes [0, n), None if unknown
         self.drop = drop  # fid -> drop the kernel's pages of it (the kernel tier's eviction)
         self.known = known  # fid -> whether the kernel knows its inode (else a push cannot land)
@@ -271,6 +275,7 @@ class DatasetCache:
         self.staged_hits = 0
         self.stall_s = 0.0
         self.pushes = 0
+        self.file_pushes = 0  # of the pushes, those read from the SSD tier and stored in one call (push_file)
         self.push_failures = 0
         self.overflow_drops = 0
         self.push_losses = 0
@@ -1218,6 +1223,9 @@ class DatasetCache:
             if data is None and st is not None:
                 data = st.data
         if data is None and e is not None:
+            if self.push_file is not None:
+                self._do_push(fid, t.pos, e)  # read and stored in one call
+                return
             try:
                 data = SsdTier.pread(e, 0, e.size)
             except FileNotFoundError:
@@ -1276,18 +1284,21 @@ class DatasetCache:
             except Exception:
                 log.exception("dropping the kernel's pages of file %d failed", v)
 
-    def _do_push(self, fid: int, pos: int, data: bytes) -> None:
+    def _do_push(self, fid: int, pos: int, src: bytes | SsdEntry) -> None:
+        """Push *src* (a whole file's bytes, or its SSD-tier copy) into the kernel page cache for the access
+        at *pos*: all of it, or a beacon's part (lock not held)."""
         assert self.push is not None
+        size = src.size if isinstance(src, SsdEntry) else len(src)
         with self._lock:
             beacon = pos % self._beacon_every == 0
-            part = data[: self._beacon_len(len(data))] if beacon else data
+            n = self._beacon_len(size) if beacon else size
             self._push_queued.discard(fid)
-            if 0 <= fid < self.n_files and self._sizes[fid] == len(data) and not self._push_needed(fid, pos):
+            if 0 <= fid < self.n_files and self._sizes[fid] == size and not self._push_needed(fid, pos):
                 return  # the kernel is believed to hold it already
             if self._cannot_land(fid):
                 return
             # make room in the kernel tier: drop what is used furthest (after this access, not pending)
-            victims = self._ktier.make_room(fid, len(part), max(pos + 1, self._head)) if part else []
+            victims = self._ktier.make_room(fid, n, max(pos + 1, self._head)) if n else []
             for v in victims:
                 self._kcover.pop(v, None)
             seq = self._kseq  # taken before the push: a loss seen while it runs makes it suspect
@@ -1295,32 +1306,40 @@ class DatasetCache:
             gen = self._gen.get(fid, 0)
         self._drop_pages(victims)
         ok = True
-        if part:
+        gone = False
+        if n:
+            # Two stores: the second activates the pages. Measured under a memory cgroup
+            # (bench-data --quick, calibrated caps): without it, ~360 losses and 6k re-pushes
+            # per 4.5k accesses and 3.2 s for 3 epochs; with it, 10-25 losses and 2.3-2.5 s.
+            # Likely mechanism: a stored page is inactive (referenced), so the reader's read is
+            # what activates it, and reclaim took the pushes not yet read first; activated, they
+            # go in push order, consumed ones first. It also takes the activation off the
+            # reader's path (48k -> 51-53k files/s in a pushed epoch).
             try:
-                ok = bool(self.push(fid, part))
-                if ok:
-                    # Activate the pages: a second store marks them accessed. Measured under a
-                    # memory cgroup (bench-data --quick, calibrated caps): without it, ~360
-                    # losses and 6k re-pushes per 4.5k accesses and 3.2 s for 3 epochs; with it,
-                    # 10-25 losses and 2.3-2.5 s. Likely mechanism: a stored page is inactive
-                    # (referenced), so the reader's read is what activates it, and reclaim took
-                    # the pushes not yet read first; activated, they go in push order, consumed
-                    # ones first. It also takes the activation off the reader's path (48k -> 51-53k
-                    # files/s in a pushed epoch).
-                    self.push(fid, part)
+                if isinstance(src, SsdEntry):
+                    assert self.push_file is not None
+                    ok = bool(self.push_file(fid, src.path, n, 2))
+                else:
+                    part = src[:n] if n < size else src
+                    ok = bool(self.push(fid, part))
+                    if ok:
+                        self.push(fid, part)
+            except FileNotFoundError:
+                ok, gone = False, True  # the tier copy was evicted since the lookup: the read goes elsewhere
             except Exception:
                 log.exception("push of file %d failed", fid)
                 ok = False
         with self._lock:
             if ok:
                 self.pushes += 1
+                if isinstance(src, SsdEntry):
+                    self.file_pushes += 1
                 if not beacon and fid in self._last_proc:
                     self._pushed[fid] = pos
-                if part and gen == self._gen.get(fid, 0) and seq >= self._lost_below and not self._closed:
-                    self._kset(fid, len(part), seq)
-            else:
+                if n and gen == self._gen.get(fid, 0) and seq >= self._lost_below and not self._closed:
+                    self._kset(fid, n, seq)
+            elif not gone:
                 self.push_failures += 1
-            if not ok:
                 self._push_pending.add(fid)
 
 
@@ -1363,6 +1382,7 @@ class DatasetCache:
                     "rate_entries_s": round(rate, 1),
                     "stall_s": round(self.stall_s, 4),
                     "pushes": self.pushes,
+                    "file_pushes": self.file_pushes,
                     "push_failures": self.push_failures,
                     "overflow_drops": self.overflow_drops,
                     "push_losses": self.push_losses,

@@ -50,6 +50,7 @@ class Planner:
         ssd_bytes: int,
         fetch_threads: int,
         push: Callable[[str, bytes], bool] | None,
+        push_file: Callable[[str, str, int, int], bool] | None = None,
         cached: Callable[[str, int], bool | None] | None = None,
         drop: Callable[[str], None] | None = None,
         known: Callable[[str], bool] | None = None,
@@ -60,6 +61,7 @@ class Planner:
         self.ssd_bytes = ssd_bytes
         self.fetch_threads = fetch_threads
         self.push = push
+        self.push_file = push_file
         self.cached = cached
         self.drop = drop
         self.known = known
@@ -117,6 +119,7 @@ class Planner:
                 ssd_bytes=self.ssd_bytes,
                 fetch_threads=self.fetch_threads,
                 push=_by_file_id(self.push, paths),
+                push_file=_by_file_id(self.push_file, paths),
                 cached=_by_file_id(self.cached, paths),
                 drop=_by_file_id(self.drop, paths),
                 known=_by_file_id(self.known, paths),

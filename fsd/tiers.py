@@ -175,7 +175,7 @@ class SsdTier:
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise  # FileNotFoundError: evicted
-                _no_direct(entry.path, e)
+                no_direct(entry.path, e)
         fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             data = os.pread(fd, n, off)
@@ -202,7 +202,8 @@ _direct_ok = hasattr(os, "O_DIRECT")
 _tls = threading.local()
 
 
-def _no_direct(path: str, e: OSError) -> None:
+def no_direct(path: str, e: OSError) -> None:
+    """The filesystem under *path* refused ``O_DIRECT`` (*e*): tier reads are buffered from now on."""
     global _direct_ok
     if _direct_ok:
         log.info("SSD tier: no O_DIRECT reads under %s (%s); buffered reads", os.path.dirname(path), e)
@@ -218,6 +219,13 @@ def _aligned(size: int) -> mmap.mmap:
         buf = mmap.mmap(-1, max(size, 1 << 16))
         _tls.buf = buf
     return buf
+
+
+def read_buffer(n: int) -> tuple[mmap.mmap, bool]:
+    """This thread's page-aligned buffer for reading the first *n* bytes of a tier copy elsewhere (a C
+    call that reads and pushes), and whether to read with ``O_DIRECT`` (length rounded up to
+    :data:`DIRECT_ALIGN`). On EINVAL from an ``O_DIRECT`` open, call :func:`no_direct`."""
+    return _aligned(-(-n // DIRECT_ALIGN) * DIRECT_ALIGN), _direct_ok
 
 
 def _pread_direct(path: str, off: int, n: int) -> bytes:

@@ -267,8 +267,11 @@ def test_invalidate_drops_cached_copies(ds: Dataset, tmp_path: Path) -> None:
         cache.close()
 
 
-def test_concurrent_readers_stress(ds: Dataset, tmp_path: Path) -> None:
-    """8 ranks x 2 workers reading their shards concurrently, with SSD, pushes and a foreign job."""
+@pytest.mark.parametrize("via_file", [False, True], ids=["bytes", "tier-file"])
+def test_concurrent_readers_stress(ds: Dataset, tmp_path: Path, via_file: bool) -> None:
+    """8 ranks x 2 workers reading their shards concurrently, with SSD, pushes and a foreign job; SSD-tier
+    pushes as bytes, or (``push_file``, the mount's one-call path) as the tier copy's path, read by the callee
+    while evictions race with it."""
     pushed: dict[int, int] = {}
     push_lock = threading.Lock()
     errors: list[str] = []
@@ -280,9 +283,16 @@ def test_concurrent_readers_stress(ds: Dataset, tmp_path: Path) -> None:
             pushed[fid] = pushed.get(fid, 0) + 1
         return fid % 5 != 0  # some inodes the kernel does not know yet
 
+    def push_file(fid: int, tier_path: str, n: int, stores: int) -> bool:
+        with open(tier_path, "rb") as f:  # FileNotFoundError if evicted, as from the C call
+            data = f.read(n)
+        if len(data) != n:
+            errors.append(f"short tier copy {fid}")
+        return all([push(fid, data) for _ in range(stores)])
+
     ram = int(ds.sizes.sum() * 0.3)
     cache = DatasetCache(ds.backend, ram_bytes=ram, ssd_dir=tmp_path / "ssd", ssd_bytes=int(ds.sizes.sum() * 0.3),
-                         fetch_threads=8, push=push)
+                         fetch_threads=8, push=push, push_file=push_file if via_file else None)
     ranks = 8
     n = len(ds.paths)
     stream = epochs_stream(n, 3, seed=11, window=ranks * 4, ranks=ranks)
@@ -321,6 +331,7 @@ def test_concurrent_readers_stress(ds: Dataset, tmp_path: Path) -> None:
         st = cache.stats()
         assert st["prefetch"]["pushes"] > 0 and st["prefetch"]["push_failures"] > 0
         assert sum(pushed.values()) >= st["prefetch"]["pushes"]
+        assert (st["prefetch"]["file_pushes"] > 0) == via_file
     finally:
         cache.close()
     assert not os.path.exists(st["tiers"]["ssd"]["dir"])
