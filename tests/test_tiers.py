@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
+import pyfuse3
 import pytest
 
 from fsd.memory import cached_pages
-from fsd.tiers import RamTier, SsdTier
+from fsd.tiers import RamTier, SsdTier, read_buffer
 
 
 def test_ram_tier_bound_is_hard() -> None:
@@ -111,3 +113,25 @@ def test_ssd_tier_writes_leave_no_page_cache_behind(tmp_path: Path) -> None:
         assert n == 0
     finally:
         os.close(fd)
+
+
+def test_store_file_read_errors_name_the_file(tmp_path: Path) -> None:
+    """``pyfuse3.notify_store_file`` (the store-file patch) fails before any store when the tier copy
+    cannot be read, with the copy's path as the error's filename: that is how a push tells an evicted
+    copy (ENOENT) from a store the kernel refused. A short copy is ENODATA, read with O_DIRECT or not,
+    and a buffer too small is EINVAL. Nothing here needs a mount: the read comes first."""
+    buf, direct = read_buffer(8192)
+    assert direct and len(buf) >= 8192
+    gone = str(tmp_path / "gone")
+    with pytest.raises(FileNotFoundError) as ei:
+        pyfuse3.notify_store_file(1, gone, 5000, 2, buf, True)
+    assert ei.value.filename == gone
+    short = tmp_path / "short"
+    short.write_bytes(b"x" * 5000)
+    for o_direct in (True, False):
+        with pytest.raises(OSError) as ei:
+            pyfuse3.notify_store_file(1, str(short), 6000, 2, buf, o_direct)
+        assert (ei.value.errno, ei.value.filename) == (errno.ENODATA, str(short)), o_direct
+    with pytest.raises(OSError) as ei:
+        pyfuse3.notify_store_file(1, str(short), 5000, 2, bytearray(4096), True)  # 5000 rounds up to 8192
+    assert ei.value.errno == errno.EINVAL
