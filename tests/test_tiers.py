@@ -120,8 +120,8 @@ def test_store_file_read_errors_name_the_file(tmp_path: Path) -> None:
     cannot be read, with the copy's path as the error's filename: that is how a push tells an evicted
     copy (ENOENT) from a store the kernel refused. A short copy is ENODATA, read with O_DIRECT or not,
     and a buffer too small is EINVAL. Nothing here needs a mount: the read comes first."""
-    buf, direct = read_buffer(8192)
-    assert direct and len(buf) >= 8192
+    buf, _ = read_buffer(8192)
+    assert len(buf) >= 8192
     gone = str(tmp_path / "gone")
     with pytest.raises(FileNotFoundError) as ei:
         pyfuse3.notify_store_file(1, gone, 5000, 2, buf, True)
