@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from conftest import make_tree, wait_for
+from fsd.memory import drop_cached
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(120)]
 
@@ -88,11 +89,7 @@ def test_pushes_from_the_ssd_tier_are_byte_exact(tmp_path: Path, mounter) -> Non
     for epoch in range(2):
         if epoch:
             for p in paths:  # pages only, through the mount: the daemon still believes them held
-                fd = os.open(p, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+                drop_cached(str(p))
         before = m.status()
         s = DistributedSampler(list(range(len(paths))), num_replicas=1, rank=0, shuffle=True, seed=5)
         s.set_epoch(epoch)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import HangGuard
+from fsd.memory import drop_cached
 from fsd.revalidate import Revalidator, dir_fd_stat
 
 # ---------------------------------------------------------------- part 1: units
@@ -311,11 +312,7 @@ def _pread_random(path: Path, size: int, rng: random.Random, n: int = 8) -> list
 def _drop_caches(paths: list[Path]) -> None:
     """Drop the kernel page cache of *paths* so reads reach the daemon."""
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_cached(str(p))
 
 
 PLAN = {"seed": 3, "epochs": 3, "sampler": "distributed", "num_replicas": 2, "ranks": [0, 1],
