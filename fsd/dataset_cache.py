@@ -51,8 +51,9 @@ Pushing
     the pushes between that position and the head are redone (at most every
     100 ms; ``push_losses``/``repushes`` in ``stats()``).
 
-    What the kernel holds is tracked per file (``_kcover``: bytes from offset 0,
-    from a push or from a read the daemon served, which the kernel caches).
+    What the kernel holds is tracked per file (:class:`fsd.page_cache.KernelBelief`:
+    bytes from offset 0, from a push or from a read the daemon served, which the
+    kernel caches).
     Pushes of files believed held are skipped (``push_skips``): in the steady
     state, when everything fits, the daemon does nothing while the reader reads
     (a push competes with the reader for the CPUs and costs the reader a
@@ -129,7 +130,7 @@ from fsd.access_stream import NodeStream
 from fsd.backend import Backend
 from fsd.belady import NEVER, BeladyIndex, FileIndex, next_use
 from fsd.memory import PAGE, LowWater, page_cache_room
-from fsd.page_cache import PageCacheTier
+from fsd.page_cache import KernelBelief
 from fsd.placement import RAM, SSD, compute_placement, first_uses, preference_order
 from fsd.prefetch import DIVERGED, SYNCED, LeadControl, Prefetcher, ProgressTracker, Task
 from fsd.tiers import RamTier, SsdEntry, SsdTier
@@ -230,16 +231,9 @@ class DatasetCache:
         self._last_proc: dict[int, int] = {}
         self._push_pending: set[int] = set()
         self._pushed: dict[int, int] = {}  # fid -> position of a complete push for a pending access
-        # What the kernel page cache is believed to hold: fid -> (bytes from offset 0, sequence number of the push
-        # or daemon read that put them there). A loss event (a read at offset 0 of a file believed held) makes every
-        # earlier entry suspect (``_lost_below``); invalidate() forgets the file. Only steers pushes: a page the
-        # kernel does not have is read through the daemon, so a wrong belief costs a round trip, never bytes.
-        self._kcover: dict[int, tuple[int, int]] = {}
-        self._kseq = 0
-        self._lost_below = 0
-        # The same belief as a tier keyed by next use, bounded below the page-cache room: a push
-        # beyond it drops what is used furthest in the future (fsd.page_cache).
-        self._ktier = PageCacheTier()
+        # What the kernel page cache is believed to hold (fsd.page_cache), also as a tier keyed by next use,
+        # bounded below the page-cache room: a push beyond it drops what is used furthest in the future.
+        self._kernel = KernelBelief()
         self._push_queued: set[int] = set()  # fids with a re-push task queued (not yet run)
         self._new_losses: deque[float] = deque()  # times of recent new losses (burst detection)
         self._beacon_every = self.BEACON_EVERY  # current beacon spacing (adaptive, see _schedule)
@@ -334,8 +328,8 @@ class DatasetCache:
                     self._evict(fid)
                 else:
                     self._belady.set(fid, k)
-            for fid in self._ktier.files():
-                self._ktier.rekey(fid, int(first[fid]))
+            for fid in self._kernel.tier.files():
+                self._kernel.tier.rekey(fid, int(first[fid]))
             self._cond.notify_all()
         log.info("plan %d: %d accesses, %d distinct files, window %d", self._plan_gen, len(ids),
                  int(np.count_nonzero(first != NEVER)), window)
@@ -422,35 +416,19 @@ class DatasetCache:
     def _note_served(self, fid: int, gen: int, off: int, n: int) -> None:
         """The kernel caches what a read returns (keep_cache): extend what it is believed to hold (lock held)."""
         if gen == self._gen.get(fid, 0) and not self._closed:
-            held = 0 if off == 0 else self._held(fid)
+            held = 0 if off == 0 else self._kernel.held(fid)
             if off <= held:
-                self._kset(fid, max(held, off + n), self._kseq)
-                self._kseq += 1
+                self._kernel.set(fid, max(held, off + n), self._kernel.event(), self._key(fid))
 
     def _note_read(self, fid: int, off: int, now: float) -> int | None:
         """Progress and page-cache loss bookkeeping of a read; its plan position or None (lock held)."""
         q = self._observe(fid, now)
         if q is not None and off == 0 and fid in self._pushed:
             self._push_lost(q, fid, now)
-        elif off == 0 and self._held(fid) > 0:
+        elif off == 0 and self._kernel.held(fid) > 0:
             # an older copy was reclaimed: what was put there before it is gone too (LRU)
-            self._lost_below = max(self._lost_below, self._kcover[fid][1] + 1)
+            self._kernel.lost_with(fid)
         return q
-
-    def _kset(self, fid: int, nbytes: int, seq: int) -> None:
-        """The kernel holds bytes ``[0, nbytes)`` of *fid* since event *seq* (lock held)."""
-        self._kcover[fid] = (nbytes, seq)
-        self._ktier.note(fid, nbytes, self._key(fid))
-
-    def _suspect(self, fid: int) -> bool:
-        """Whether *fid* was believed held until a loss made that doubtful (lock held)."""
-        c = self._kcover.get(fid)
-        return c is not None and c[1] < self._lost_below
-
-    def _held(self, fid: int) -> int:
-        """Bytes from offset 0 of *fid* the kernel page cache is believed to hold (lock held)."""
-        c = self._kcover.get(fid)
-        return c[0] if c is not None and c[1] >= self._lost_below else 0
 
     def _read(self, file_id: int, off: int, size: int) -> bytes:
         t0 = time.monotonic()
@@ -571,7 +549,7 @@ class DatasetCache:
         if last >= self._push_limit:
             self._defer(last, fid)
         else:
-            self._prefetcher.submit(Task("push", fid, last, self._plan.gen, verify=self._suspect(fid)))
+            self._prefetcher.submit(Task("push", fid, last, self._plan.gen, verify=self._kernel.suspect(fid)))
 
     def invalidate(self, file_id: int) -> None:
         """The backend file changed: drop every cached copy and discard running fetches."""
@@ -584,8 +562,7 @@ class DatasetCache:
             if inf is not None:
                 inf.event.set()  # its completion sees the new generation and discards
             self._push_pending.discard(file_id)
-            self._kcover.pop(file_id, None)
-            self._ktier.forget(file_id)
+            self._kernel.forget(file_id)
             self._pushed.pop(file_id, None)
             if 0 <= file_id < self.n_files and self._sizes[file_id] >= 0:
                 self._size_sum -= int(self._sizes[file_id])
@@ -603,7 +580,7 @@ class DatasetCache:
         suspects ahead that are not re-pushed yet; if its own re-push is queued, the reader merely
         outran it. Suspects the kernel still holds are not pushed again (``_still_held``)."""
         self.push_losses += 1
-        new = self._held(fid) > 0
+        new = self._kernel.held(fid) > 0
         if not new and fid in self._push_queued:
             return
         burst = False
@@ -616,16 +593,17 @@ class DatasetCache:
             burst = len(self._new_losses) >= self.LOSS_BURST
             if burst:
                 self._new_losses.clear()
-                self._lost_below = self._kseq
+                self._kernel.lost_all()
             else:
-                seq = self._kcover[fid][1]
+                seq = self._kernel.seq_of(fid)
+                assert seq is not None
                 plan = self._plan
                 if plan is not None:
                     for i in range(q + 1, min(len(plan.ids), q + 1 + self.LOSS_NEAR)):
-                        c = self._kcover.get(int(plan.ids[i]))
-                        if c is not None and c[1] > seq:
-                            seq = c[1]
-                self._lost_below = max(self._lost_below, seq + 1)
+                        later = self._kernel.seq_of(int(plan.ids[i]))
+                        if later is not None and later > seq:
+                            seq = later
+                self._kernel.lost_through(seq)
         if burst or now - self._last_repush >= 0.1:
             if new:
                 self._lead.lost(self._head - q, now)
@@ -738,8 +716,7 @@ class DatasetCache:
         with self._lock:
             plan, tr = self._plan, self._tracker
             if dropped:
-                self._lost_below = self._kseq  # nothing pushed so far is in the page cache any more
-                self._ktier.clear()
+                self._kernel.dropped()  # nothing pushed so far is in the page cache any more
                 self.page_cache_drops += 1
             if self._closed or plan is None or tr is None or tr.state != SYNCED:
                 return []
@@ -778,13 +755,13 @@ class DatasetCache:
                                min(self._head, self._repush_from + self._lead.cap)):
                     fid = int(plan.ids[i])
                     if fid in self._pushed and fid not in seen and fid not in self._push_queued \
-                            and self._held(fid) < self._sizes[fid]:
+                            and self._kernel.held(fid) < self._sizes[fid]:
                         seen.add(fid)
                         if i >= self._push_limit:
                             self._defer(i, fid)
                             continue
                         self._push_queued.add(fid)
-                        tasks.append(Task("push", fid, i, plan.gen, verify=self._suspect(fid)))
+                        tasks.append(Task("push", fid, i, plan.gen, verify=self._kernel.suspect(fid)))
                         self.repushes += 1
                 self._repush_from = None
             while self._deferred and self._deferred[0][0] < self._push_limit and len(tasks) < 64:
@@ -793,7 +770,7 @@ class DatasetCache:
                         or not (self._resident(fid) or fid in self._staged) or not self._push_needed(fid, i):
                     continue
                 self._push_queued.add(fid)
-                tasks.append(Task("push", fid, i, plan.gen, verify=self._suspect(fid)))
+                tasks.append(Task("push", fid, i, plan.gen, verify=self._kernel.suspect(fid)))
             # Within the fetch lead: everything; up to the push window: resident files (their pushes);
             # beyond both, while the tiers have free room: fill them (resident files pass, others are
             # fetched straight into a tier) up to the first access of a file already pending.
@@ -846,11 +823,12 @@ class DatasetCache:
             started = self._tracker is not None and self._tracker.front >= 0
             share = self.KERNEL_SHARE if started else self.PUSH_SHARE
             cap = int(self._push_room * share) if self._push_room is not None and self.drop else None
-            shrunk = cap is not None and self._ktier.capacity is not None and cap < self._ktier.capacity
-            self._ktier.capacity = cap
+            ktier = self._kernel.tier
+            shrunk = cap is not None and ktier.capacity is not None and cap < ktier.capacity
+            ktier.capacity = cap
             # only when the room shrank: a push that found nothing to drop goes ahead (make_room), and
             # the kernel's reclaim decides as before
-            if shrunk and self._ktier.used > cap and not self._closed:
+            if shrunk and ktier.used > cap and not self._closed:
                 plan, tr = self._plan, self._tracker
                 nxt = plan.index.first_at_or_after if plan is not None else (lambda f, p: NEVER)
                 # the push window for the new room (_push_limit is still the old one's)
@@ -861,9 +839,8 @@ class DatasetCache:
                     uses[f] = nxt(f, self._released)
                     return uses[f]
 
-                victims = self._ktier.shrink(floor, next_use)
+                victims = self._kernel.shrink(floor, next_use)
                 for v in victims:
-                    self._kcover.pop(v, None)
                     q = uses[v]
                     if q < self._head:
                         # pushed for a pending access beyond the new window: again when the reader nears
@@ -902,7 +879,7 @@ class DatasetCache:
             if self.push is not None and fid not in self._inflight and (self._resident(fid) or fid in self._staged):
                 if self._push_needed(fid, i):
                     if i < self._push_limit:
-                        return Task("push", fid, i, plan.gen, verify=self._suspect(fid))
+                        return Task("push", fid, i, plan.gen, verify=self._kernel.suspect(fid))
                     self._defer(i, fid)
             return None
         est = int(self._sizes[fid])
@@ -961,7 +938,7 @@ class DatasetCache:
         size = int(self._sizes[fid])
         if size < 0:
             return True
-        held = self._held(fid)
+        held = self._kernel.held(fid)
         if pos % self._beacon_every == 0:
             if held < self._beacon_len(size):
                 return True
@@ -998,7 +975,7 @@ class DatasetCache:
                     self._evict(fid)
                 else:
                     self._belady.set(fid, k)
-            self._ktier.rekey(fid, k)
+            self._kernel.tier.rekey(fid, k)
             if fid in self._staged and fid not in self._ssd_writing:
                 self._admit_staged(fid, k)
 
@@ -1255,8 +1232,7 @@ class DatasetCache:
             if size <= 0:
                 return False
             want = self._beacon_len(size) if pos % self._beacon_every == 0 else size
-            seq = self._kseq
-            self._kseq += 1
+            seq = self._kernel.event()
             gen = self._gen.get(fid, 0)
         try:
             held = want == 0 or self.cached(fid, want)
@@ -1268,7 +1244,7 @@ class DatasetCache:
         with self._lock:
             self.push_verified += 1
             if gen == self._gen.get(fid, 0) and not self._closed:
-                self._kset(fid, want, seq)
+                self._kernel.set(fid, want, seq, self._key(fid))
                 if want == size and fid in self._last_proc:
                     self._pushed[fid] = pos
         return True
@@ -1298,11 +1274,8 @@ class DatasetCache:
             if self._cannot_land(fid):
                 return
             # make room in the kernel tier: drop what is used furthest (after this access, not pending)
-            victims = self._ktier.make_room(fid, n, max(pos + 1, self._head)) if n else []
-            for v in victims:
-                self._kcover.pop(v, None)
-            seq = self._kseq  # taken before the push: a loss seen while it runs makes it suspect
-            self._kseq += 1
+            victims = self._kernel.make_room(fid, n, max(pos + 1, self._head)) if n else []
+            seq = self._kernel.event()  # taken before the push: a loss seen while it runs makes it suspect
             gen = self._gen.get(fid, 0)
         self._drop_pages(victims)
         ok = True
@@ -1336,8 +1309,8 @@ class DatasetCache:
                     self.file_pushes += 1
                 if not beacon and fid in self._last_proc:
                     self._pushed[fid] = pos
-                if n and gen == self._gen.get(fid, 0) and seq >= self._lost_below and not self._closed:
-                    self._kset(fid, n, seq)
+                if n and gen == self._gen.get(fid, 0) and self._kernel.current(seq) and not self._closed:
+                    self._kernel.set(fid, n, seq, self._key(fid))
             elif not gone:
                 self.push_failures += 1
                 self._push_pending.add(fid)
@@ -1392,7 +1365,7 @@ class DatasetCache:
                     "page_cache_drops": self.page_cache_drops,
                     "beacon_every": self._beacon_every,
                 },
-                "page_cache": self._ktier.stats(),
+                "page_cache": self._kernel.tier.stats(),
                 "divergence": tr.stats() if tr is not None else {"state": "no_plan"},
                 "backend": {"bytes_read": self.backend_bytes, "reads": self.backend_reads,
                             "demand_reads": self.demand_reads, "foreign_reads": self.foreign_reads},

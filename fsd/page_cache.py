@@ -132,3 +132,91 @@ class PageCacheTier:
     def stats(self) -> dict:
         return {"capacity": self.capacity, "bytes": self.used, "files": len(self._bytes), "drops": self.drops,
                 "short": self.short, "room_drops": self.room_drops}
+
+
+class KernelBelief:
+    """What the kernel page cache is believed to hold of each file, and which of it a loss made doubtful.
+
+    Per file: bytes from offset 0 (from a push, or from a read the daemon served, which the kernel
+    caches) and the sequence number of the event that put them there. A loss (a read at offset 0 of
+    a file believed held) makes every earlier event *suspect*: reclaim takes activated pages in the
+    order they were put there. A suspect counts as not held until verified or pushed again. The
+    same belief, keyed by next use, is :attr:`tier` (:class:`PageCacheTier`).
+
+    Only steers pushes: a wrong belief costs a round trip, never bytes. Not thread-safe; the dataset
+    cache's lock guards it.
+    """
+
+    def __init__(self) -> None:
+        self._cover: dict[int, tuple[int, int]] = {}  # fid -> (bytes from offset 0, event sequence number)
+        self._seq = 0
+        self._lost_below = 0  # events before this one are suspect
+        self.tier = PageCacheTier()
+
+    def event(self) -> int:
+        """A new sequence number; take it *before* the push or read it stamps (a loss seen meanwhile
+        makes that event suspect)."""
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def set(self, fid: int, nbytes: int, seq: int, key: int) -> None:
+        """The kernel holds bytes ``[0, nbytes)`` of *fid* since event *seq*; next used at *key*."""
+        self._cover[fid] = (nbytes, seq)
+        self.tier.note(fid, nbytes, key)
+
+    def held(self, fid: int) -> int:
+        """Bytes from offset 0 of *fid* believed held (0 if none, or suspect)."""
+        c = self._cover.get(fid)
+        return c[0] if c is not None and c[1] >= self._lost_below else 0
+
+    def suspect(self, fid: int) -> bool:
+        """Whether *fid* was believed held until a loss made that doubtful."""
+        c = self._cover.get(fid)
+        return c is not None and c[1] < self._lost_below
+
+    def current(self, seq: int) -> bool:
+        """Whether event *seq* is after the last loss (what it put there is believed held)."""
+        return seq >= self._lost_below
+
+    def seq_of(self, fid: int) -> int | None:
+        """Sequence number of the event behind *fid*'s cover (None if none)."""
+        c = self._cover.get(fid)
+        return None if c is None else c[1]
+
+    def lost_through(self, seq: int) -> None:
+        """Event *seq* and every one before it are suspect."""
+        self._lost_below = max(self._lost_below, seq + 1)
+
+    def lost_with(self, fid: int) -> None:
+        """*fid*'s pages are gone, and with them those of every event before its (reclaim goes in order)."""
+        c = self._cover.get(fid)
+        if c is not None:
+            self.lost_through(c[1])
+
+    def lost_all(self) -> None:
+        """Every event so far is suspect (a burst of losses)."""
+        self._lost_below = self._seq
+
+    def dropped(self) -> None:
+        """The page cache was dropped (``drop_caches``): nothing is held, the tier is empty."""
+        self.lost_all()
+        self.tier.clear()
+
+    def forget(self, fid: int) -> None:
+        """*fid* changed or its pages are gone: no belief about it."""
+        self._cover.pop(fid, None)
+        self.tier.forget(fid)
+
+    def make_room(self, fid: int, nbytes: int, floor: int) -> list[int]:
+        """:meth:`PageCacheTier.make_room`, the victims forgotten here too; the caller drops their pages."""
+        return self._forgotten(self.tier.make_room(fid, nbytes, floor))
+
+    def shrink(self, floor: int, next_use: Callable[[int], int]) -> list[int]:
+        """:meth:`PageCacheTier.shrink`, the victims forgotten here too; the caller drops their pages."""
+        return self._forgotten(self.tier.shrink(floor, next_use))
+
+    def _forgotten(self, victims: list[int]) -> list[int]:
+        for v in victims:
+            self._cover.pop(v, None)
+        return victims

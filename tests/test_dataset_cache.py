@@ -536,8 +536,8 @@ def test_suspect_pushes_are_verified_not_redone(ds: Dataset) -> None:
         assert wait_for(lambda: cache.stats()["prefetch"]["pushes"] >= 40)
         with cache._lock:
             pushed = [f for f in ids[:60] if f in cache._pushed]
-            cache._lost_below = cache._kseq  # a loss: everything pushed so far is suspect
-            assert all(cache._suspect(f) for f in pushed)
+            cache._kernel.lost_all()  # a loss: everything pushed so far is suspect
+            assert all(cache._kernel.suspect(f) for f in pushed)
         lost, kept = pushed[0], pushed[1:6]
         held.discard(lost)  # the kernel dropped one of them
         n0 = len(pushes)
@@ -549,7 +549,7 @@ def test_suspect_pushes_are_verified_not_redone(ds: Dataset) -> None:
         st = cache.stats()["prefetch"]
         assert st["push_verified"] == len(kept)
         with cache._lock:
-            assert not any(cache._suspect(f) for f in [lost, *kept])  # believed held again
+            assert not any(cache._kernel.suspect(f) for f in [lost, *kept])  # believed held again
     finally:
         cache.close()
 

@@ -1,11 +1,11 @@
-"""fsd.page_cache: the kernel page cache as a tier evicted by next use."""
+"""fsd.page_cache: the kernel page cache as a tier evicted by next use, and the belief behind it."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsd.page_cache import PageCacheTier
+from fsd.page_cache import KernelBelief, PageCacheTier
 
 
 def test_room_is_made_by_dropping_the_furthest_used_first() -> None:
@@ -86,3 +86,61 @@ def test_a_shrunken_capacity_drops_the_furthest_needed_not_those_needed_sooner()
     t.capacity = 0
     assert t.shrink(floor=0, next_use=nxt.__getitem__, max_kept=0) == []  # gives up at once
     assert PageCacheTier().shrink(0, nxt.__getitem__) == []  # unknown capacity: nothing
+
+
+def test_a_loss_makes_what_was_put_there_before_it_suspect_not_what_came_after() -> None:
+    b = KernelBelief()
+    seqs = {}
+    for fid in (1, 2, 3):
+        seqs[fid] = b.event()
+        b.set(fid, 4096 * fid, seqs[fid], key=10 * fid)
+    assert [b.held(f) for f in (1, 2, 3)] == [4096, 8192, 12288]
+    assert b.tier.used == 4096 * 6
+    b.lost_through(seqs[2])  # the kernel reclaimed 2's pages: 1's, put there earlier, are gone too
+    assert [b.held(f) for f in (1, 2, 3)] == [0, 0, 12288]
+    assert [b.suspect(f) for f in (1, 2, 3)] == [True, True, False]
+    assert not b.current(seqs[2]) and b.current(seqs[3])
+    b.lost_through(seqs[1])  # an older loss seen late moves nothing back
+    assert b.suspect(2) and not b.suspect(3)
+    b.lost_with(3)  # 3's pages were reclaimed too
+    assert b.suspect(3) and b.held(3) == 0
+    b.lost_with(9)  # nothing is believed of 9: nothing changes
+    assert b.current(b.event())
+    seq = b.event()  # re-pushed: believed held again
+    b.set(1, 4096, seq, key=5)
+    assert b.held(1) == 4096 and not b.suspect(1)
+    assert b.suspect(4) is False and b.held(4) == 0 and b.seq_of(4) is None
+
+
+def test_a_push_taken_before_a_loss_is_suspect_when_it_lands() -> None:
+    b = KernelBelief()
+    seq = b.event()  # a push starts...
+    b.set(7, 100, b.event(), key=1)
+    b.lost_all()  # ...a burst of losses while it runs...
+    assert not b.current(seq)  # ...so what it stored is not believed held (the caller skips set())
+    assert b.suspect(7) and b.held(7) == 0
+    assert b.current(b.event())
+
+
+def test_a_drop_of_the_page_cache_forgets_the_tier_and_suspects_everything() -> None:
+    b = KernelBelief()
+    for fid in (1, 2):
+        b.set(fid, 100, b.event(), key=fid)
+    b.dropped()
+    assert b.tier.used == 0 and len(b.tier) == 0
+    assert b.suspect(1) and b.suspect(2) and b.held(1) == 0
+
+
+def test_victims_are_forgotten_by_the_belief_and_the_tier() -> None:
+    b = KernelBelief()
+    b.tier.capacity = 200
+    b.set(1, 100, b.event(), key=50)
+    b.set(2, 100, b.event(), key=400)
+    assert b.make_room(3, 100, floor=100) == [2]
+    assert b.held(2) == 0 and not b.suspect(2) and b.seq_of(2) is None and 2 not in b.tier
+    b.set(3, 100, b.event(), key=120)
+    b.tier.capacity = 100
+    assert b.shrink(100, lambda f: {1: 50, 3: 120}[f]) == [3]  # 1 is needed before the floor
+    assert b.seq_of(3) is None and b.held(1) == 100
+    b.forget(1)
+    assert b.seq_of(1) is None and b.tier.used == 0
