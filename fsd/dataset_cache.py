@@ -129,7 +129,7 @@ import numpy as np
 from fsd.access_stream import NodeStream
 from fsd.backend import Backend
 from fsd.belady import NEVER, BeladyIndex, FileIndex, next_use
-from fsd.memory import PAGE, LowWater, page_cache_room
+from fsd.memory import PAGE, DropWatch, LowWater, page_cache_room
 from fsd.page_cache import KernelBelief
 from fsd.placement import RAM, SSD, compute_placement, first_uses, preference_order
 from fsd.prefetch import DIVERGED, SYNCED, LeadControl, Prefetcher, ProgressTracker, Task
@@ -237,8 +237,7 @@ class DatasetCache:
         self._push_queued: set[int] = set()  # fids with a re-push task queued (not yet run)
         self._new_losses: deque[float] = deque()  # times of recent new losses (burst detection)
         self._beacon_every = self.BEACON_EVERY  # current beacon spacing (adaptive, see _schedule)
-        self._vmstat: int | None = -1  # last drop_pagecache count (-1: not read yet; None: unavailable)
-        self._vmstat_t = 0.0
+        self._drop_watch = DropWatch(self.PAGE_CACHE_PROBE_S)  # drop_caches, seen in /proc/vmstat
         self._repush_from: int | None = None
         self._last_repush = 0.0
         self._replan_pos = 0
@@ -612,26 +611,6 @@ class DatasetCache:
             self._repush_from = q + 1
             self._cond.notify_all()
 
-    def _page_cache_dropped(self, now: float) -> bool:
-        """Whether ``drop_caches`` dropped the page cache since the last look (coordinator thread, no lock).
-
-        ``drop_pagecache`` in /proc/vmstat counts them: every push so far is gone, and no read tells
-        us before the reader gets there (a dropped lead would be read through the daemon)."""
-        if self._vmstat is None or now - self._vmstat_t < self.PAGE_CACHE_PROBE_S:
-            return False
-        self._vmstat_t = now
-        try:
-            with open("/proc/vmstat", "rb") as f:
-                text = f.read()
-            k = text.index(b"\ndrop_pagecache ") + 16
-            n = int(text[k : text.index(b"\n", k)])
-        except (OSError, ValueError):
-            self._vmstat = None  # not Linux, or no such counter: rely on losses seen by reads
-            return False
-        dropped = self._vmstat >= 0 and n != self._vmstat
-        self._vmstat = n
-        return dropped
-
     def _account_stall(self, stalled: bool, t0: float) -> None:
         if not stalled:
             return
@@ -711,7 +690,7 @@ class DatasetCache:
     def _schedule(self) -> list[Task]:
         """Next tasks in stream order, up to the lead target."""
         self._maybe_replan()
-        dropped = self.push is not None and self._page_cache_dropped(time.monotonic())
+        dropped = self.push is not None and self._drop_watch.dropped(time.monotonic())  # every push so far is gone
         self._refresh_push_room(time.monotonic())
         with self._lock:
             plan, tr = self._plan, self._tracker

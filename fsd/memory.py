@@ -124,6 +124,37 @@ class LowWater:
         self._q.clear()
 
 
+class DropWatch:
+    """Whether ``drop_caches`` dropped the page cache since the last look, from the ``drop_pagecache``
+    counter of ``/proc/vmstat`` (read at most every *every_s*).
+
+    Every push so far is then gone, and no read says so before the reader gets there (a dropped push
+    lead would be read through the daemon). Where the counter is missing (not Linux, an old kernel),
+    it answers False from then on and losses seen by reads are all there is."""
+
+    def __init__(self, every_s: float, vmstat: Path = Path("/proc/vmstat")) -> None:
+        self.every_s = every_s
+        self.vmstat = vmstat
+        self._count: int | None = -1  # last count (-1: not read yet; None: unavailable)
+        self._t = 0.0
+
+    def dropped(self, now: float) -> bool:
+        """Whether the counter moved since the last read (False on the first read, or before *every_s*)."""
+        if self._count is None or now - self._t < self.every_s:
+            return False
+        self._t = now
+        try:
+            text = self.vmstat.read_bytes()
+            k = text.index(b"\ndrop_pagecache ") + 16
+            n = int(text[k : text.index(b"\n", k)])
+        except (OSError, ValueError):
+            self._count = None
+            return False
+        moved = self._count >= 0 and n != self._count
+        self._count = n
+        return moved
+
+
 def drop_page_cache(fd: int) -> None:
     """Ask the kernel to drop *fd*'s clean cached pages (starts writeback of dirty ones); advice only,
     a failure is logged."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fsd.memory import LowWater, cached_pages, page_cache_room
+from fsd.memory import DropWatch, LowWater, cached_pages, page_cache_room
 
 
 def test_cached_pages_sees_a_file_enter_and_leave_the_page_cache(tmp_path: Path) -> None:
@@ -44,3 +44,29 @@ def test_low_water_is_the_minimum_over_the_window() -> None:
     assert lw.add(30.0, 900) == 900
     lw.clear()
     assert lw.add(31.0, 100) == 100
+
+
+def test_drop_watch_sees_the_counter_move_at_most_every_interval(tmp_path: Path) -> None:
+    vm = tmp_path / "vmstat"
+    vm.write_text("nr_free_pages 1\ndrop_pagecache 4\ndrop_slab 0\n")
+    w = DropWatch(0.05, vm)
+    assert not w.dropped(1.0)  # the first read is the baseline
+    vm.write_text("nr_free_pages 1\ndrop_pagecache 5\ndrop_slab 0\n")
+    assert not w.dropped(1.01)  # too soon: not read
+    assert w.dropped(1.06)
+    assert not w.dropped(1.2)  # seen once
+    vm.write_text("nr_free_pages 1\n")  # no such counter (an old kernel): never again
+    assert not w.dropped(2.0)
+    vm.write_text("nr_free_pages 1\ndrop_pagecache 9\ndrop_slab 0\n")
+    assert not w.dropped(3.0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drop_caches needs root")
+def test_drop_watch_sees_a_real_drop_caches() -> None:
+    w = DropWatch(0.0)
+    assert not w.dropped(1.0)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1\n")
+    assert w.dropped(2.0)
+    assert not w.dropped(3.0)
+

@@ -101,3 +101,33 @@ def test_pushes_from_the_ssd_tier_are_byte_exact(tmp_path: Path, mounter) -> Non
     pushed = st["cache"]["prefetch"]["file_pushes"] - before["cache"]["prefetch"]["file_pushes"]
     assert pushed > len(paths) // 2, st["cache"]["prefetch"]
     assert reads[1] < len(paths) // 2, (reads, st["cache"]["prefetch"])  # pushed pages served most of epoch 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drop_caches needs root")
+def test_a_drop_caches_is_seen_and_the_lead_pushed_again(tmp_path: Path, mounter) -> None:
+    """``echo 1 > drop_caches`` empties the page cache without a read telling the daemon; it sees
+    the ``drop_pagecache`` counter move (``fsd.memory.DropWatch``), forgets what it believed held
+    and pushes the lead again, so the next epoch is served from pushed pages, not READs."""
+    src = tmp_path / "src"
+    make_tree(src, n_classes=2, per_class=60, size=30000)
+    paths = _imagefolder_paths(src)
+    expect = {p: p.read_bytes() for p in paths}
+    m = mounter(["--data", src, "--ram-cache", "64M"], src)
+    assert _imagefolder_paths(src) == paths  # the job's listing: the kernel learns the inodes
+    m.control({"seed": 3, "epochs": 3, "sampler": "distributed", "num_replicas": 1, "ranks": [0],
+               "order": "imagefolder", "batch_size": 4, "num_workers": 0})
+    reads = []
+    for epoch in range(2):
+        if epoch:
+            drops = m.status()["cache"]["prefetch"]["page_cache_drops"]
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+            assert wait_for(lambda: m.status()["cache"]["prefetch"]["page_cache_drops"] > drops, timeout=5)
+        before = m.status()
+        s = DistributedSampler(list(range(len(paths))), num_replicas=1, rank=0, shuffle=True, seed=3)
+        s.set_epoch(epoch)
+        for i in s:
+            assert paths[i].read_bytes() == expect[paths[i]], (epoch, paths[i])
+            time.sleep(0.005)  # the job's compute step
+        reads.append(m.status()["ops"].get("read", 0) - before["ops"].get("read", 0))
+    assert reads[1] < len(paths) // 4, (reads, m.status()["cache"]["prefetch"])
