@@ -69,4 +69,3 @@ def test_drop_watch_sees_a_real_drop_caches() -> None:
         f.write("1\n")
     assert w.dropped(2.0)
     assert not w.dropped(3.0)
-
