@@ -1,4 +1,4 @@
-"""The kernel page cache as a tier the daemon sizes and evicts by the plan.
+"""The kernel page cache as a tier the daemon sizes and evicts by the plan, and the belief behind it.
 
 Pushed pages (``notify_store``) and the pages of reads the daemon served stay in
 the kernel page cache until the kernel reclaims them, in roughly the order they
@@ -19,7 +19,9 @@ without this tier: pushes are never held back by a belief.
 The account is a belief: the kernel can still reclaim (memory growth of other
 processes between two looks at the room) and a wrong belief costs a round
 trip, never bytes (a page the kernel lacks is read through the daemon).
-Not thread-safe; the dataset cache's lock guards it.
+:class:`KernelBelief` keeps it: what each file has in the page cache, which
+of that a loss made suspect, and this tier. Not thread-safe; the dataset
+cache's lock guards both.
 """
 
 from __future__ import annotations
