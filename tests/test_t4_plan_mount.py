@@ -130,4 +130,4 @@ def test_a_drop_caches_is_seen_and_the_lead_pushed_again(tmp_path: Path, mounter
             assert paths[i].read_bytes() == expect[paths[i]], (epoch, paths[i])
             time.sleep(0.005)  # the job's compute step
         reads.append(m.status()["ops"].get("read", 0) - before["ops"].get("read", 0))
-    assert reads[1] < len(paths) // 4, (reads, m.status()["cache"]["prefetch"])
+    assert reads[1] < len(paths) // 4, (reads, m.status()["cache"]["prefetch"])  # seen: 2
