@@ -238,7 +238,8 @@ class DatasetCache:
         self._new_losses: deque[float] = deque()  # times of recent new losses (burst detection)
         self._beacon_every = self.BEACON_EVERY  # current beacon spacing (adaptive, see _schedule)
         self._drop_watch = DropWatch(self.PAGE_CACHE_PROBE_S)  # drop_caches, seen in /proc/vmstat
-        self._repush_from: int | None = None
+        self._repush_from: int | None = None  # first access whose push the next schedule re-checks
+        self._repush_to_head = False  # that re-check runs to the head (a drop), not a lead cap past it (a loss)
         self._last_repush = 0.0
         self._replan_pos = 0
         self._replanning = False
@@ -364,6 +365,7 @@ class DatasetCache:
         self._push_queued.clear()
         self._deferred.clear()
         self._repush_from = None
+        self._repush_to_head = False
         for fid in list(self._staged):
             if fid not in self._ssd_writing:
                 self._drop_staged(fid)
@@ -608,7 +610,7 @@ class DatasetCache:
                 self._lead.lost(self._head - q, now)
                 self._push_ctl.lost(min(self._head, self._push_limit) - q, now)
             self._last_repush = now
-            self._repush_from = q + 1
+            self._repush_from = q + 1 if self._repush_from is None else min(self._repush_from, q + 1)
             self._cond.notify_all()
 
     def _account_stall(self, stalled: bool, t0: float) -> None:
@@ -701,7 +703,11 @@ class DatasetCache:
                 return []
             now = time.monotonic()
             if dropped:
+                # every push ahead is gone, not just the lead's: re-check them all (beyond the push
+                # limit they are deferred until the reader nears). Was: a lead cap past the release
+                # point, and the reader met the rest as READs (21-96 of 1500 per quick steady cycle).
                 self._repush_from = self._released
+                self._repush_to_head = True
                 self._last_repush = now
             self._retire(max(0, tr.trail - 2 * plan.window))
             est = tr.est_pos(now)
@@ -729,13 +735,13 @@ class DatasetCache:
                 self._head = self._released
             tasks: list[Task] = []
             if self._repush_from is not None:
-                seen: set[int] = set()
-                for i in range(max(self._repush_from, self._released),
-                               min(self._head, self._repush_from + self._lead.cap)):
+                end = self._head if self._repush_to_head else min(self._head, self._repush_from + self._lead.cap)
+                for i in range(max(self._repush_from, self._released), end):
                     fid = int(plan.ids[i])
-                    if fid in self._pushed and fid not in seen and fid not in self._push_queued \
+                    # at the access its whole-file push was for: an earlier access may be a beacon's
+                    # (a file under a page pushes nothing for it; the later access went unpushed)
+                    if self._pushed.get(fid) == i and fid not in self._push_queued \
                             and self._kernel.held(fid) < self._sizes[fid]:
-                        seen.add(fid)
                         if i >= self._push_limit:
                             self._defer(i, fid)
                             continue
@@ -743,6 +749,7 @@ class DatasetCache:
                         tasks.append(Task("push", fid, i, plan.gen, verify=self._kernel.suspect(fid)))
                         self.repushes += 1
                 self._repush_from = None
+                self._repush_to_head = False
             while self._deferred and self._deferred[0][0] < self._push_limit and len(tasks) < 64:
                 i, fid = heapq.heappop(self._deferred)
                 if i < self._released or fid not in self._last_proc or fid in self._push_queued \
