@@ -265,7 +265,8 @@ class KernelPushes:
                 self._lead.lost(self._head - q, now)
                 self._push_ctl.lost(min(self._head, self._push_limit) - q, now)
             self._last_repush = now
-            self._repush_from = q + 1 if self._repush_from is None else min(self._repush_from, q + 1)
+            if not self._repush_to_head:  # a drop's re-push, pending, covers this one's
+                self._repush_from = q + 1
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ scheduling (coordinator thread)
@@ -310,12 +311,14 @@ class KernelPushes:
         tasks: list[Task] = []
         if self._repush_from is not None:
             end = self._head if self._repush_to_head else min(self._head, self._repush_from + self._lead.cap)
+            seen: set[int] = set()
             for i in range(max(self._repush_from, self._released), end):
                 fid = int(plan.ids[i])
-                # at the access its whole-file push was for: an earlier access may be a beacon's
-                # (a file under a page pushes nothing for it; the later access went unpushed)
-                if self._pushed.get(fid) == i and fid not in self._push_queued \
+                # for its next access (a beacon's, maybe: whose READ then fills the page cache
+                # for the access its whole push was for)
+                if fid in self._pushed and fid not in seen and fid not in self._push_queued \
                         and self._kernel.held(fid) < self._sizes[fid]:
+                    seen.add(fid)
                     if i >= self._push_limit:
                         self._defer(i, fid)
                         continue
