@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import device_dirs

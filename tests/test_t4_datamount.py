@@ -7,7 +7,6 @@ import fcntl
 import json
 import os
 import subprocess
-import sys
 import termios
 import threading
 import time

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from torch.utils.data import DistributedSampler
 
 from conftest import make_tree, wait_for
