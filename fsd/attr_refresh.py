@@ -8,20 +8,29 @@ later epoch over files the daemon once served that is one round trip per file,
 which caps a page-cache-hot reader at the daemon's round-trip rate (measured
 in ``tools/bench-data``: 7-9k files/s against 45-60k without).
 
-A READDIRPLUS reply carries the attributes of every entry, and the kernel
-applies them to inodes it already has (``fuse_direntplus_link`` ->
-``fuse_change_attributes``), which clears the stale mark. So the
-:class:`AttrRefresher` lists, from a worker thread and through the mount
-itself, the directories in which READs were answered: about 30 entries per
-round trip instead of one per file, and while no reader waits for it.
+So the :class:`AttrRefresher` refreshes those attributes from a worker thread,
+through the mount itself, while no reader waits, in whichever of two ways
+costs the daemon less CPU:
 
-A directory is listed when its stale files are at least ``1 / ENTRIES_PER_TRIP``
-of its entries (the listing then costs no more round trips than the GETATTRs it
-saves) or when it has more than ``MIN_STALE`` and its size is unknown; after
-``AGE_S``, at a quarter of that (the tail of a directory the reader finished
-would otherwise stay stale). No FUSE
-dependency: the listing is a plain ``os.scandir`` of a path, so it is
-unit-testable on any directory.
+- a ``stat`` of each stale file: one GETATTR each;
+- a listing of the directory: a READDIRPLUS reply carries the attributes of
+  every entry, and the kernel applies them to inodes it already has
+  (``fuse_direntplus_link`` -> ``fuse_change_attributes``), which clears the
+  stale mark.
+
+Measured through a real mount (``tools/bench-attr``, an 800-file directory):
+65-75 us of daemon CPU per GETATTR, 7.5-10.6 us per listed entry (the
+OPENDIR's backend listing included). A listing therefore pays off once at least ``1 / LIST_FRACTION`` of
+a directory is stale. Was: listing once 1/32 was (the round trips they cost),
+and after a second at 1/128, so a later epoch's few READs per directory cost
+listings of the whole directory (~0.3 core-s per epoch at the default size of
+``tools/bench-data``, where the daemon's CPU is what the job waits for).
+
+Stale files are batched for ``interval`` seconds. A file whose inode the kernel
+no longer knows (``known``) is skipped: it has no stale attributes, and a
+``stat`` would send a LOOKUP, which the dataset cache takes for the reader's
+progress. No FUSE dependency: the refresh is a plain ``os.lstat`` or
+``os.scandir`` of a path, so it is unit-testable on any directory.
 """
 
 from __future__ import annotations
@@ -29,7 +38,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,26 +47,25 @@ log = logging.getLogger(__name__)
 
 
 class AttrRefresher:
-    """Lists directories whose files' kernel attributes went stale after READs."""
+    """Refreshes the kernel's attributes of files whose atime went stale after READs."""
 
-    ENTRIES_PER_TRIP = 32  # readdirplus entries per 4 KiB reply, about
+    LIST_FRACTION = 8  # a listing costs the daemon about what GETATTRs for 1/8 of its entries do
     MIN_STALE = 32  # stale files that justify listing a directory of unknown size
-    INTERVAL_S = 0.1  # batching delay between a READ and the listing
-    AGE_S = 1.0  # stale this long: list at AGED_FACTOR times the round trips it saves
-    AGED_FACTOR = 4
+    INTERVAL_S = 0.1  # batching delay between a READ and the refresh
 
     def __init__(self, mountpoint: Path, dir_size: Callable[[bytes], int | None], *,
-                 interval: float = INTERVAL_S) -> None:
+                 interval: float = INTERVAL_S, known: Callable[[int], bool] | None = None) -> None:
         self.mountpoint = mountpoint
         self.dir_size = dir_size
         self.interval = interval
+        self.known = known  # inode -> whether the kernel still knows it (None: assume so)
         self._lock = threading.Lock()
-        self._stale: dict[bytes, set[int]] = {}
-        self._since: dict[bytes, float] = {}  # when each stale set was started
+        self._stale: dict[bytes, dict[int, bytes]] = {}  # directory -> {inode: path}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.listings = 0
+        self.stats = 0  # files refreshed one by one (a GETATTR each)
         self.refreshed = 0
         self.errors = 0
 
@@ -66,57 +73,61 @@ class AttrRefresher:
         """The daemon answered a READ of *path* (inode *ino*): its kernel atime is stale."""
         parent = path.rpartition(b"/")[0]
         with self._lock:
-            files = self._stale.get(parent)
-            if files is None:
-                files = self._stale[parent] = set()
-                self._since[parent] = time.monotonic()
+            files = self._stale.setdefault(parent, {})
             if ino in files:
                 return
-            files.add(ino)
+            files[ino] = path
         self._wake.set()
 
-    def _due(self) -> list[tuple[bytes, int]]:
-        """Directories worth listing now, with their stale counts (removed from the stale set)."""
-        out = []
-        now = time.monotonic()
-        with self._lock:
-            for d, files in list(self._stale.items()):
-                size = self.dir_size(d)
-                need = self.MIN_STALE if size is None else max(1, size // self.ENTRIES_PER_TRIP)
-                if now - self._since[d] >= self.AGE_S:
-                    need = max(1, need // self.AGED_FACTOR)
-                if len(files) >= need:
-                    out.append((d, len(files)))
-                    del self._stale[d]
-                    del self._since[d]
-        return out
+    def _list_worth(self, d: bytes, stale: int) -> bool:
+        """Whether listing *d* costs the daemon less than a GETATTR for each of its *stale* files."""
+        size = self.dir_size(d)
+        if size is None:
+            return stale >= self.MIN_STALE
+        return stale >= max(1, size // self.LIST_FRACTION)
 
     def refresh_once(self) -> int:
-        """List every due directory once; returns how many were listed."""
+        """Refresh every stale file once (a listing or a stat each); returns how many directories were listed."""
+        with self._lock:
+            due, self._stale = self._stale, {}
         n = 0
-        for d, stale in self._due():
+        root = os.fsencode(self.mountpoint)
+        for d, files in due.items():
             if self._stop.is_set():
                 break
-            path = os.path.join(os.fsencode(self.mountpoint), d) if d else os.fsencode(self.mountpoint)
-            try:
-                with os.scandir(path) as it:
-                    for _ in it:
-                        pass
-            except OSError as e:  # vanished, or the mount is going away
-                self.errors += 1
-                log.debug("attribute refresh of %r: %s", d, e)
+            if self._list_worth(d, len(files)):
+                n += self._list(os.path.join(root, d) if d else root, d, len(files))
                 continue
-            n += 1
-            self.listings += 1
-            self.refreshed += stale
+            for ino, path in files.items():
+                if self.known is not None and not self.known(ino):
+                    continue
+                try:
+                    os.lstat(os.path.join(root, path))
+                except OSError as e:  # vanished, or the mount is going away
+                    self.errors += 1
+                    log.debug("attribute refresh of %r: %s", path, e)
+                    continue
+                self.stats += 1
+                self.refreshed += 1
         return n
+
+    def _list(self, path: bytes, d: bytes, stale: int) -> int:
+        try:
+            with os.scandir(path) as it:
+                for _ in it:
+                    pass
+        except OSError as e:  # vanished, or the mount is going away
+            self.errors += 1
+            log.debug("attribute refresh of %r: %s", d, e)
+            return 0
+        self.listings += 1
+        self.refreshed += stale
+        return 1
 
     def _run(self) -> None:
         name_os_thread()
         while not self._stop.is_set():
-            with self._lock:
-                pending = bool(self._stale)
-            self._wake.wait(self.AGE_S if pending else None)  # pending: look again once they aged
+            self._wake.wait()
             self._wake.clear()
             if self._stop.wait(self.interval):
                 break
@@ -124,7 +135,7 @@ class AttrRefresher:
                 self.refresh_once()
             except Exception:  # never take the mount down for an optimisation
                 log.exception("attribute refresher failed")
-                time.sleep(1.0)
+                self._stop.wait(1.0)
 
     def start(self) -> None:
         """Start the worker thread."""
@@ -132,7 +143,7 @@ class AttrRefresher:
         self._thread.start()
 
     def stop(self, timeout: float = 2.0) -> None:
-        """Stop the worker; a listing blocked on a dead mount is left to die with the process."""
+        """Stop the worker; a refresh blocked on a dead mount is left to die with the process."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -142,4 +153,5 @@ class AttrRefresher:
         """Counters for ``.fsd/status``."""
         with self._lock:
             pending = sum(len(f) for f in self._stale.values())
-        return {"listings": self.listings, "refreshed": self.refreshed, "pending": pending, "errors": self.errors}
+        return {"listings": self.listings, "stats": self.stats, "refreshed": self.refreshed, "pending": pending,
+                "errors": self.errors}

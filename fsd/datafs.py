@@ -96,7 +96,8 @@ class DataOperations(pyfuse3.Operations):
         self._stats: dict[int, os.stat_result] = {}
         # Entries per directory at its last listing (sizes the attribute refresh).
         self._dir_sizes: dict[bytes, int] = {}
-        self.refresher = AttrRefresher(mountpoint, self._dir_sizes.get) if mountpoint is not None else None
+        self.refresher = AttrRefresher(mountpoint, self._dir_sizes.get, known=self.inodes.known_to_kernel) \
+            if mountpoint is not None else None
 
     # -- lifecycle -------------------------------------------------------
     async def start(self, nursery: trio.Nursery) -> None:

@@ -16,27 +16,41 @@ def _tree(root: Path, dirs: int, files: int) -> None:
             (root / f"d{d}" / f"f{i}").write_bytes(b"x")
 
 
-def test_lists_a_directory_once_enough_of_it_is_stale(tmp_path: Path) -> None:
+def test_lists_a_directory_once_enough_of_it_is_stale_else_stats_each_file(tmp_path: Path) -> None:
     _tree(tmp_path, 2, 64)
     sizes = {b"d0": 64, b"d1": 64}
     r = AttrRefresher(tmp_path, sizes.get)
     r.note_read(b"d0/f0", 10)
     r.note_read(b"d0/f0", 10)  # the same file twice counts once
-    assert r.refresh_once() == 0  # 1 of 64: one GETATTR is cheaper than two readdirplus trips
-    r.note_read(b"d0/f1", 11)
+    assert r.refresh_once() == 0  # 1 of 64: one GETATTR is cheaper than a listing
+    assert r.status() == {"listings": 0, "stats": 1, "refreshed": 1, "pending": 0, "errors": 0}
+    for i in range(64 // AttrRefresher.LIST_FRACTION):
+        r.note_read(b"d0/f%d" % i, 10 + i)
     r.note_read(b"d1/f1", 21)
-    assert r.refresh_once() == 1  # d0 reached 64 / 32
-    assert r.status() == {"listings": 1, "refreshed": 2, "pending": 1, "errors": 0}
-    assert r.refresh_once() == 0  # d0 is clean again, d1 still below its threshold
+    assert r.refresh_once() == 1  # d0 reached 64 / 8: listed; d1's one file is stat'ed
+    assert r.status() == {"listings": 1, "stats": 2, "refreshed": 10, "pending": 0, "errors": 0}
+    assert r.refresh_once() == 0 and r.status()["refreshed"] == 10  # nothing stale is left
 
 
-def test_unknown_size_waits_for_min_stale_and_vanished_dirs_count_as_errors(tmp_path: Path) -> None:
+def test_unknown_size_lists_at_min_stale_and_vanished_files_count_as_errors(tmp_path: Path) -> None:
     r = AttrRefresher(tmp_path, lambda d: None)
     for i in range(AttrRefresher.MIN_STALE - 1):
         r.note_read(b"gone/f%d" % i, 100 + i)
+    assert r.refresh_once() == 0  # stat'ed one by one: none exists
+    assert r.status()["errors"] == AttrRefresher.MIN_STALE - 1 and r.status()["stats"] == 0
+    for i in range(AttrRefresher.MIN_STALE):
+        r.note_read(b"gone/f%d" % i, 100 + i)
+    assert r.refresh_once() == 0 and r.status()["errors"] == AttrRefresher.MIN_STALE  # listed, but it does not exist
+
+
+def test_files_the_kernel_forgot_are_not_stated(tmp_path: Path) -> None:
+    """A stat of a file the kernel no longer knows would send a LOOKUP (the reader's progress, to the cache)."""
+    _tree(tmp_path, 1, 64)
+    r = AttrRefresher(tmp_path, lambda d: 64, known=lambda ino: ino != 2)
+    r.note_read(b"d0/f1", 1)
+    r.note_read(b"d0/f2", 2)
     assert r.refresh_once() == 0
-    r.note_read(b"gone/last", 99)
-    assert r.refresh_once() == 0 and r.status()["errors"] == 1  # listed (due), but it does not exist
+    assert r.status()["stats"] == 1 and r.status()["refreshed"] == 1
 
 
 def test_worker_thread_refreshes_in_the_background(tmp_path: Path) -> None:
@@ -49,16 +63,6 @@ def test_worker_thread_refreshes_in_the_background(tmp_path: Path) -> None:
         deadline = time.monotonic() + 5
         while r.status()["refreshed"] < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert r.status()["refreshed"] == 4 and r.status()["listings"] >= 1
+        assert r.status()["refreshed"] == 4 and r.status()["pending"] == 0
     finally:
         r.stop()
-
-
-def test_a_small_remainder_is_listed_once_it_has_aged(tmp_path: Path, monkeypatch) -> None:
-    _tree(tmp_path, 1, 96)
-    r = AttrRefresher(tmp_path, lambda d: 96)
-    r.note_read(b"d0/f0", 1)
-    assert r.refresh_once() == 0  # 1 of 96: not yet worth two readdirplus trips
-    monkeypatch.setattr(AttrRefresher, "AGE_S", 0.0)
-    assert r.refresh_once() == 1  # aged: 1 >= (96 // 32) // 4
-    assert r.status()["pending"] == 0

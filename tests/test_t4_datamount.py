@@ -203,13 +203,28 @@ def test_sigterm_unmounts_cleanly(tmp_path: Path, mounter) -> None:
 
 
 def test_reads_do_not_cost_a_getattr_per_file_in_the_next_epoch(tmp_path: Path, mounter) -> None:
-    """After the daemon answered READs, the refresher's readdirplus clears the kernel's stale atime."""
+    """After the daemon answered READs, the refresher clears the kernel's stale atime: a stat per file for a
+    few, a readdirplus of the directory for many."""
     src = tmp_path / "src"
     make_tree(src, n_classes=2, per_class=100, size=5000)
     m = mounter(["--data", src], src)
     files = sorted(p for p in src.glob("class*/*.jpg") if p.stat().st_size > 0)
-    for p in files:
+    few = files[:5]  # fewer than 1/8 of their directory: refreshed by a stat each
+    for p in few:
         with open(p, "rb") as f:  # READ replies: the kernel marks each file's atime stale
+            f.read()
+    deadline = time.monotonic() + 10
+    while m.status()["attr_refresh"]["refreshed"] < len(few) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert m.status()["attr_refresh"]["stats"] == len(few) and m.status()["attr_refresh"]["listings"] == 0
+    a = m.status()["ops"].get("getattr", 0)
+    b = m.status()["ops"].get("getattr", 0)  # b - a: what reading the status costs
+    for p in few:
+        os.stat(p)
+    c = m.status()["ops"].get("getattr", 0)
+    assert (c - b) - (b - a) < len(few), (a, b, c)  # the refresher's GETATTRs came first
+    for p in files:
+        with open(p, "rb") as f:
             f.read()
     deadline = time.monotonic() + 10
     while (m.status()["attr_refresh"]["pending"] or m.status()["attr_refresh"]["refreshed"] < len(files)) \
