@@ -26,7 +26,10 @@ and after a second at 1/128, so a later epoch's few READs per directory cost
 listings of the whole directory (~0.3 core-s per epoch at the default size of
 ``tools/bench-data``, where the daemon's CPU is what the job waits for).
 
-Stale files are batched for ``interval`` seconds. A file whose inode the kernel
+Stale files are batched: a directory is refreshed once a listing pays off, or
+once its oldest stale file has waited ``AGE_S`` (a reader reopens a file it read
+an epoch later, seconds away; meanwhile more of the directory may go stale and
+make one listing cheaper than the GETATTRs). A file whose inode the kernel
 no longer knows (``known``) is skipped: it has no stale attributes, and a
 ``stat`` would send a LOOKUP, which the dataset cache takes for the reader's
 progress. No FUSE dependency: the refresh is a plain ``os.lstat`` or
@@ -38,6 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +56,7 @@ class AttrRefresher:
     LIST_FRACTION = 8  # a listing costs the daemon about what GETATTRs for 1/8 of its entries do
     MIN_STALE = 32  # stale files that justify listing a directory of unknown size
     INTERVAL_S = 0.1  # batching delay between a READ and the refresh
+    AGE_S = 0.5  # a directory not worth listing waits at most this long for more stale files
 
     def __init__(self, mountpoint: Path, dir_size: Callable[[bytes], int | None], *,
                  interval: float = INTERVAL_S, known: Callable[[int], bool] | None = None) -> None:
@@ -61,6 +66,7 @@ class AttrRefresher:
         self.known = known  # inode -> whether the kernel still knows it (None: assume so)
         self._lock = threading.Lock()
         self._stale: dict[bytes, dict[int, bytes]] = {}  # directory -> {inode: path}
+        self._since: dict[bytes, float] = {}  # when each directory's oldest stale file was noted
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -73,7 +79,10 @@ class AttrRefresher:
         """The daemon answered a READ of *path* (inode *ino*): its kernel atime is stale."""
         parent = path.rpartition(b"/")[0]
         with self._lock:
-            files = self._stale.setdefault(parent, {})
+            files = self._stale.get(parent)
+            if files is None:
+                files = self._stale[parent] = {}
+                self._since[parent] = time.monotonic()
             if ino in files:
                 return
             files[ino] = path
@@ -86,16 +95,34 @@ class AttrRefresher:
             return stale >= self.MIN_STALE
         return stale >= max(1, size // self.LIST_FRACTION)
 
-    def refresh_once(self) -> int:
-        """Refresh every stale file once (a listing or a stat each); returns how many directories were listed."""
+    def _due(self, now: float) -> list[tuple[bytes, dict[int, bytes], bool]]:
+        """Directories to refresh now, with their stale files and whether to list them (taken out of
+        the stale set): those worth listing, and those whose oldest stale file waited ``AGE_S``."""
+        out = []
         with self._lock:
-            due, self._stale = self._stale, {}
+            for d, files in list(self._stale.items()):
+                listing = self._list_worth(d, len(files))
+                if listing or now - self._since[d] >= self.AGE_S:
+                    out.append((d, files, listing))
+                    del self._stale[d]
+                    del self._since[d]
+        return out
+
+    def _next_due_in(self, now: float) -> float | None:
+        """Seconds until the oldest pending directory has aged (None if nothing is pending)."""
+        with self._lock:
+            if not self._since:
+                return None
+            return max(0.0, min(self._since.values()) + self.AGE_S - now)
+
+    def refresh_once(self) -> int:
+        """Refresh every due directory once (a listing, or a stat per file); returns how many were listed."""
         n = 0
         root = os.fsencode(self.mountpoint)
-        for d, files in due.items():
+        for d, files, listing in self._due(time.monotonic()):
             if self._stop.is_set():
                 break
-            if self._list_worth(d, len(files)):
+            if listing:
                 n += self._list(os.path.join(root, d) if d else root, d, len(files))
                 continue
             for ino, path in files.items():
@@ -127,7 +154,7 @@ class AttrRefresher:
     def _run(self) -> None:
         name_os_thread()
         while not self._stop.is_set():
-            self._wake.wait()
+            self._wake.wait(self._next_due_in(time.monotonic()))  # pending: look again once they aged
             self._wake.clear()
             if self._stop.wait(self.interval):
                 break

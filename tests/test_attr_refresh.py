@@ -16,13 +16,15 @@ def _tree(root: Path, dirs: int, files: int) -> None:
             (root / f"d{d}" / f"f{i}").write_bytes(b"x")
 
 
-def test_lists_a_directory_once_enough_of_it_is_stale_else_stats_each_file(tmp_path: Path) -> None:
+def test_lists_a_directory_once_enough_of_it_is_stale_else_stats_each_file(tmp_path: Path, monkeypatch) -> None:
     _tree(tmp_path, 2, 64)
     sizes = {b"d0": 64, b"d1": 64}
     r = AttrRefresher(tmp_path, sizes.get)
     r.note_read(b"d0/f0", 10)
     r.note_read(b"d0/f0", 10)  # the same file twice counts once
-    assert r.refresh_once() == 0  # 1 of 64: one GETATTR is cheaper than a listing
+    assert r.refresh_once() == 0 and r.status()["pending"] == 1  # waits for more of d0 to go stale
+    monkeypatch.setattr(AttrRefresher, "AGE_S", 0.0)
+    assert r.refresh_once() == 0  # aged, 1 of 64: one GETATTR is cheaper than a listing
     assert r.status() == {"listings": 0, "stats": 1, "refreshed": 1, "pending": 0, "errors": 0}
     for i in range(64 // AttrRefresher.LIST_FRACTION):
         r.note_read(b"d0/f%d" % i, 10 + i)
@@ -32,7 +34,8 @@ def test_lists_a_directory_once_enough_of_it_is_stale_else_stats_each_file(tmp_p
     assert r.refresh_once() == 0 and r.status()["refreshed"] == 10  # nothing stale is left
 
 
-def test_unknown_size_lists_at_min_stale_and_vanished_files_count_as_errors(tmp_path: Path) -> None:
+def test_unknown_size_lists_at_min_stale_and_vanished_files_count_as_errors(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(AttrRefresher, "AGE_S", 0.0)
     r = AttrRefresher(tmp_path, lambda d: None)
     for i in range(AttrRefresher.MIN_STALE - 1):
         r.note_read(b"gone/f%d" % i, 100 + i)
@@ -43,8 +46,9 @@ def test_unknown_size_lists_at_min_stale_and_vanished_files_count_as_errors(tmp_
     assert r.refresh_once() == 0 and r.status()["errors"] == AttrRefresher.MIN_STALE  # listed, but it does not exist
 
 
-def test_files_the_kernel_forgot_are_not_stated(tmp_path: Path) -> None:
+def test_files_the_kernel_forgot_are_not_stated(tmp_path: Path, monkeypatch) -> None:
     """A stat of a file the kernel no longer knows would send a LOOKUP (the reader's progress, to the cache)."""
+    monkeypatch.setattr(AttrRefresher, "AGE_S", 0.0)
     _tree(tmp_path, 1, 64)
     r = AttrRefresher(tmp_path, lambda d: 64, known=lambda ino: ino != 2)
     r.note_read(b"d0/f1", 1)
@@ -64,5 +68,21 @@ def test_worker_thread_refreshes_in_the_background(tmp_path: Path) -> None:
         while r.status()["refreshed"] < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert r.status()["refreshed"] == 4 and r.status()["pending"] == 0
+    finally:
+        r.stop()
+
+
+def test_the_worker_stats_a_few_files_once_they_aged(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(AttrRefresher, "AGE_S", 0.2)
+    _tree(tmp_path, 1, 64)
+    r = AttrRefresher(tmp_path, lambda d: 64, interval=0.01)
+    r.start()
+    try:
+        t0 = time.monotonic()
+        r.note_read(b"d0/f3", 4)
+        deadline = t0 + 5
+        while r.status()["refreshed"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert r.status()["stats"] == 1 and time.monotonic() - t0 >= 0.2
     finally:
         r.stop()
