@@ -19,12 +19,13 @@ costs the daemon less CPU:
   stale mark.
 
 Measured through a real mount (``tools/bench-attr``, an 800-file directory):
-65-75 us of daemon CPU per GETATTR, 7.5-10.6 us per listed entry (the
-OPENDIR's backend listing included). A listing therefore pays off once at least ``1 / LIST_FRACTION`` of
-a directory is stale. Was: listing once 1/32 was (the round trips they cost),
-and after a second at 1/128, so a later epoch's few READs per directory cost
-listings of the whole directory (~0.3 core-s per epoch at the default size of
-``tools/bench-data``, where the daemon's CPU is what the job waits for).
+47-75 us of daemon CPU per GETATTR, 5.6-10.6 us per listed entry (the
+OPENDIR's backend listing included), so a listing pays off once at least
+``1 / LIST_FRACTION`` of a directory is stale. Was: listing once 1/32 was (the
+round trips they cost), and after a second at 1/128, so a later epoch's few
+READs per directory cost listings of the whole directory (~0.3 core-s per
+epoch at the default size of ``tools/bench-data``, where the daemon's CPU is
+what the job waits for).
 
 Stale files are batched: a directory is refreshed once a listing pays off, or
 once its oldest stale file has waited ``AGE_S`` (a reader reopens a file it read
