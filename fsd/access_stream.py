@@ -135,6 +135,44 @@ def build_node_stream(plan: Plan, n_files: int, *, indices: Sequence[np.ndarray]
     return stream
 
 
+BEACON_LEVEL_MAX = 63
+"""Beacon level of each rank's first access: a beacon at every spacing."""
+
+
+def beacon_levels(ranks: np.ndarray, n: int) -> np.ndarray:
+    """Per stream position, the number of trailing zero bits of its ordinal among its own rank's
+    accesses (``BEACON_LEVEL_MAX`` for ordinal 0), as uint8.
+
+    A position is a beacon at per-rank spacing ``2**k`` when its level is at least *k*: every rank
+    gets one every ``2**k`` of its own accesses, and a sparser set is a subset of a denser one.
+    Was: positions that are multiples of the spacing. With two ranks stepping in batches of 32,
+    spacings of 64 and more put every beacon in rank 0's batches, and rank 1's progress was seen
+    only through page-cache misses (its front lagged thousands of entries). *ranks* not of length
+    *n*: one rank. One byte per entry, and an index array of one rank's entries at a time."""
+    level = np.empty(n, dtype=np.uint8)
+    if len(ranks) != n or n == 0:
+        level[:] = _ordinal_levels(n)
+        return level
+    top = int(ranks.max())
+    values = np.flatnonzero(np.bincount(ranks)) if 0 <= int(ranks.min()) and top < 1 << 24 else np.unique(ranks)
+    for r in values:
+        at = np.flatnonzero(ranks == r)
+        level[at] = _ordinal_levels(len(at))
+    return level
+
+
+def _ordinal_levels(m: int) -> np.ndarray:
+    """Trailing zero bits of ``0 .. m-1`` (``BEACON_LEVEL_MAX`` for 0), as uint8."""
+    out = np.zeros(m, dtype=np.uint8)
+    b = 1
+    while (1 << b) < m:
+        out[:: 1 << b] = b
+        b += 1
+    if m:
+        out[0] = BEACON_LEVEL_MAX
+    return out
+
+
 def future_counts(stream: NodeStream, from_pos: int = 0, n_files: int | None = None) -> np.ndarray:
     """Accesses per file id over ``stream.file_ids[from_pos:]`` (int64, length ``n_files``
     or max id + 1 when not given)."""
@@ -154,5 +192,5 @@ def next_use(stream: NodeStream) -> np.ndarray:
     return out
 
 
-__all__ = ["NodeStream", "build_node_stream", "future_counts", "id_dtype", "interleave_epoch", "next_use",
+__all__ = ["BEACON_LEVEL_MAX", "NodeStream", "beacon_levels", "build_node_stream", "future_counts", "id_dtype", "interleave_epoch", "next_use",
            "rank_dtype"]

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fsd.access_stream import NodeStream
+from fsd.access_stream import NodeStream, beacon_levels
 from fsd.backend import Backend
 from fsd.belady import NEVER, BeladyIndex, FileIndex, next_use
 from fsd.kernel_push import KernelPushes
@@ -102,6 +102,8 @@ class _Plan:
     start_epoch: int
     epoch_bounds: np.ndarray
     ranks: np.ndarray
+    beacon_level: np.ndarray  # fsd.access_stream.beacon_levels
+    rank_bits: int  # ceil(log2(ranks on the node))
 
 
 class DatasetCache(KernelPushes):
@@ -198,17 +200,21 @@ class DatasetCache(KernelPushes):
         index = FileIndex(ids)
         first = first_uses(ids, 0, self.n_files)
         window = max(1, int(stream.window))
+        ranks = np.asarray(stream.ranks)
+        levels = beacon_levels(ranks, len(ids))
+        n_ranks = len(np.unique(ranks)) if len(ranks) == len(ids) and len(ids) else 1
+        rank_bits = (n_ranks - 1).bit_length()
         with self._lock:
             sizes = self._size_estimates()
         placement = compute_placement(ids, 0, sizes, self.ram.capacity, self.ssd.capacity)
         with self._cond:
             self._plan_gen += 1
             self._plan = _Plan(self._plan_gen, ids, nu, index, window, int(stream.start_epoch),
-                               np.asarray(stream.epoch_bounds), np.asarray(stream.ranks))
+                               np.asarray(stream.epoch_bounds), ranks, levels, rank_bits)
             self._placement = placement
             self._reset_position(0)
             beacon = self.BEACON_EVERY if self.push is not None else 0
-            self._beacon_every = self.BEACON_EVERY
+            self._set_beacon_spacing(self.BEACON_EVERY)
             self._tracker = ProgressTracker(index, len(ids), window, beacon, np.asarray(stream.ranks))
             self._lead = LeadControl(self.LEAD_S, 2 * window + 4 * self.fetch_threads + beacon + 16, self.MAX_LEAD)
             self._push_ctl = LeadControl(self.LEAD_S, max(16, window // 8), self.MAX_LEAD)

@@ -156,6 +156,7 @@ class KernelPushes:
         self._push_queued: set[int] = set()  # fids with a re-push task queued (not yet run)
         self._new_losses: deque[float] = deque()  # times of recent new losses (burst detection)
         self._beacon_every = self.BEACON_EVERY  # current beacon spacing (adaptive, see _size_pushes)
+        self._beacon_shift = 0  # beacon level a beacon has at that spacing (_set_beacon_spacing)
         self._drop_watch = DropWatch(self.PAGE_CACHE_PROBE_S)  # drop_caches, seen in /proc/vmstat
         self._repush_from: int | None = None  # first access whose push the next schedule re-checks
         self._repush_to_head = False  # that re-check runs to the head (a drop), not a lead cap past it (a loss)
@@ -302,9 +303,22 @@ class KernelPushes:
             # (measured: ~17 beacon READs per 1500-file epoch cost a quarter of its speed)
             while 2 * spacing <= min(self.BEACON_FAR, window // 4):
                 spacing *= 2
-        self._beacon_every = spacing
+        self._set_beacon_spacing(spacing)
         tr.beacon_every = spacing
         return min(len(plan.ids), self._push_limit)
+
+    def _set_beacon_spacing(self, spacing: int) -> None:
+        """Beacons every *spacing* stream entries, for each rank (lock held): every ``spacing / 2**rank_bits``
+        of its own accesses (:func:`fsd.access_stream.beacon_levels`)."""
+        self._beacon_every = spacing
+        plan = self._plan
+        rank_bits = plan.rank_bits if plan is not None else 0
+        self._beacon_shift = max(0, spacing.bit_length() - 1 - rank_bits)
+
+    def _is_beacon(self, pos: int) -> bool:
+        """Whether access *pos* is a beacon at the current spacing (lock held)."""
+        plan = self._plan
+        return plan is not None and 0 <= pos < len(plan.beacon_level) and plan.beacon_level[pos] >= self._beacon_shift
 
     def _push_tasks(self, plan: _Plan) -> list[Task]:
         """Re-pushes after a loss or a drop, and deferred pushes the reader has come near (lock held)."""
@@ -422,7 +436,7 @@ class KernelPushes:
         if size < 0:
             return True
         held = self._kernel.held(fid)
-        if pos % self._beacon_every == 0:
+        if self._is_beacon(pos):
             if held < self._beacon_len(size):
                 return True
         elif held < size:
@@ -482,7 +496,7 @@ class KernelPushes:
             size = int(self._sizes[fid]) if 0 <= fid < self.n_files else -1
             if size <= 0:
                 return False
-            want = self._beacon_len(size) if pos % self._beacon_every == 0 else size
+            want = self._beacon_len(size) if self._is_beacon(pos) else size
             seq = self._kernel.event()
             gen = self._gen.get(fid, 0)
         try:
@@ -517,7 +531,7 @@ class KernelPushes:
         assert self.push is not None
         size = src.size if isinstance(src, SsdEntry) else len(src)
         with self._lock:
-            beacon = pos % self._beacon_every == 0
+            beacon = self._is_beacon(pos)
             n = self._beacon_len(size) if beacon else size
             self._push_queued.discard(fid)
             if 0 <= fid < self.n_files and self._sizes[fid] == size and not self._push_needed(fid, pos):

@@ -4,8 +4,10 @@ Where is the reader?
     Once the kernel page cache holds a file, its reads never reach the daemon,
     so progress is inferred from what *does* arrive (reads and lookups):
 
-    * **Progress beacons.** Every ``beacon_every``-th predicted access
-      (position ``i % beacon_every == 0``) is pushed *without its last page*
+    * **Progress beacons.** About every ``beacon_every``-th predicted access
+      of each rank's stretch of the stream (every ``beacon_every / 2**k`` of
+      the rank's own accesses, ``2**k`` >= the node's ranks:
+      :func:`fsd.access_stream.beacon_levels`) is pushed *without its last page*
       (files of one page or less are not pushed at all). The reader's read of
       that page reaches the daemon and pins the reader's position to within
       the reorder slack ``window``. Cost: one FUSE round trip (~30-60 us) per

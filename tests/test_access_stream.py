@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler, RandomSampler
 
 from conftest import LenDataset
-from fsd.access_stream import (NodeStream, build_node_stream, future_counts, id_dtype, interleave_epoch,
-                               next_use, rank_dtype)
+from fsd.access_stream import (BEACON_LEVEL_MAX, NodeStream, beacon_levels, build_node_stream, future_counts,
+                               id_dtype, interleave_epoch, next_use, rank_dtype)
 from fsd.plan import Plan, PlanError, parse_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,6 +110,28 @@ def test_interleave_partial_last_step() -> None:
     f, r = interleave_epoch(idx, np.array([2, 5]), 2)
     assert f.tolist() == [0, 1, 10, 11, 2, 3, 12, 13, 4, 14]
     assert r.tolist() == [2, 2, 5, 5, 2, 2, 5, 5, 2, 5]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 4), st.sampled_from([1, 3, 32]), st.integers(1, 300))
+def test_every_rank_gets_beacons_at_every_spacing(n_ranks: int, batch: int, per_rank: int) -> None:
+    """Beacon levels count each rank's own accesses: at per-rank spacing 2**k every rank has a beacon at
+    its accesses 0, 2**k, 2*2**k, ..., whatever the interleaving (was: stream positions that are
+    multiples of the spacing, all in rank 0's batches once the spacing reached ranks x batch)."""
+    idx = np.arange(n_ranks * per_rank).reshape(n_ranks, per_rank)
+    _, ranks = interleave_epoch(idx, np.arange(n_ranks) * 3, batch)
+    levels = beacon_levels(np.concatenate([ranks, ranks]), 2 * len(ranks))  # two epochs: ordinals carry on
+    assert levels.dtype == np.uint8
+    both = np.concatenate([ranks, ranks])
+    for r in np.unique(both):
+        mine = levels[both == r]
+        assert mine[0] == BEACON_LEVEL_MAX
+        for k in range(6):
+            assert np.flatnonzero(mine >= k).tolist() == list(range(0, len(mine), 2**k))
+
+
+def test_beacon_levels_of_one_rank_are_positions() -> None:
+    assert beacon_levels(np.zeros(0, np.int16), 6).tolist() == [BEACON_LEVEL_MAX, 0, 1, 0, 2, 0]
 
 
 def test_id_and_rank_dtypes() -> None:

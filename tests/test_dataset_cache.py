@@ -567,7 +567,7 @@ def test_a_retried_push_is_for_the_next_access_not_the_last_one_scheduled(ds: Da
                          room=lambda: 1 << 40)
     stream = epochs_stream(n, 3, seed=10)
     ids = stream.file_ids.tolist()
-    pos = 1  # not a beacon (those are at multiples of the spacing): a whole-file push
+    pos = 2  # not a beacon (rank 0's second access; each rank's first is one): a whole-file push
     f = ids[pos]
     later = ids.index(f, n)
     cache.set_plan(stream)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsd.access_stream import NodeStream
+from fsd.access_stream import NodeStream, interleave_epoch
 from fsd.belady import FileIndex
 from fsd.dataset_cache import DatasetCache
 from fsd.prefetch import DIV_THRESHOLD, DIVERGED, RESYNC_MATCHES, SYNCED, LeadControl, Prefetcher, ProgressTracker, Task
@@ -256,6 +256,40 @@ def test_beacons_track_a_reader_behind_the_page_cache(tmp_path: Path) -> None:
         assert 0.5 * beacons <= arrived[e] <= 0.35 * 300, arrived
     # most accesses are pushed (900 in all); losses halve how far pushes go, so not every one
     assert st["prefetch"]["pushes"] > 400
+
+
+def batch_stream(n: int, epochs: int, seed: int, batch: int = 32, window: int = 8) -> NodeStream:
+    """Two ranks of a DistributedSampler-like job in lockstep, *batch* accesses per rank and step."""
+    rng = np.random.default_rng(seed)
+    parts = [interleave_epoch(rng.permutation(n).reshape(2, n // 2), np.array([0, 1]), batch) for _ in range(epochs)]
+    return NodeStream(file_ids=np.concatenate([f for f, _ in parts]).astype(np.int64),
+                      epoch_bounds=np.arange(epochs + 1) * n, ranks=np.concatenate([r for _, r in parts]),
+                      start_epoch=0, window=window)
+
+
+def test_every_rank_gets_beacons_at_sparse_spacings(tmp_path: Path) -> None:
+    """Two ranks stepping in batches of 32: at every spacing each rank has a beacon every
+    ``spacing / 2`` of its own accesses, so both ranks' fronts move (was: positions that are
+    multiples of the spacing; from 64 on all of them fell in rank 0's batches, and rank 1's front
+    moved only on page-cache misses: thousands of entries behind in bench-data's later epochs)."""
+    from test_dataset_cache import Dataset
+
+    n = 256
+    ds = Dataset(tmp_path / "data", n, 100, 200)
+    cache = DatasetCache(ds.backend, ram_bytes=1 << 20, push=lambda fid, data: True)
+    stream = batch_stream(n, 2, seed=5)
+    cache.set_plan(stream)
+    ranks = stream.ranks
+    for spacing in (16, 64, 256):
+        with cache._lock:
+            cache._set_beacon_spacing(spacing)
+            beacons = np.array([cache._is_beacon(q) for q in range(len(ranks))])
+        assert beacons.sum() == 2 * len(ranks) // spacing  # every spacing entries, for each rank
+        for r in (0, 1):
+            own = beacons[ranks == r]
+            assert np.flatnonzero(own).tolist() == list(range(0, len(own), spacing // 2)), (spacing, r)
+    cache.close()
+    ds.close()
 
 
 def test_pushes_are_redone_when_the_kernel_drops_them(tmp_path: Path) -> None:
