@@ -310,7 +310,7 @@ class DatasetCache(KernelPushes):
         if gen == self._gen.get(fid, 0) and not self._closed:
             held = 0 if off == 0 else self._kernel.held(fid)
             if off <= held:
-                self._kernel.set(fid, max(held, off + n), self._kernel.event(), self._key(fid))
+                self._kernel.set(fid, max(held, off + n), self._kernel.event(), self._next_use(fid))
 
     def _note_read(self, fid: int, off: int, now: float) -> int | None:
         """Progress and page-cache loss bookkeeping of a read; its plan position or None (lock held)."""
@@ -620,12 +620,13 @@ class DatasetCache(KernelPushes):
         self._released = upto
         while self._pending and self._pending[0][0] < upto:
             i, fid = self._pending.popleft()
+            k = int(plan.nu[i])
+            self._kernel.tier.rekey(fid, k)  # every access: its key is the next use
             if self._last_proc.get(fid) != i:
                 continue
             del self._last_proc[fid]
             self._push_pending.discard(fid)
             self._pushed.pop(fid, None)
-            k = int(plan.nu[i])
             if k != NEVER and k < self._head:
                 k = plan.index.first_at_or_after(fid, self._head)
             if fid in self._belady:
@@ -633,7 +634,6 @@ class DatasetCache(KernelPushes):
                     self._evict(fid)
                 else:
                     self._belady.set(fid, k)
-            self._kernel.tier.rekey(fid, k)
             if fid in self._staged and fid not in self._ssd_writing:
                 self._admit_staged(fid, k)
 

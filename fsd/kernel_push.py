@@ -51,9 +51,12 @@ Pushing
     ``page_cache`` in ``stats()``): held files keyed by next use, within
     ``KERNEL_SHARE`` of the room. A push beyond that first drops (``drop``:
     ``posix_fadvise(DONTNEED)`` through the mount) the held files used
-    furthest in the future, after the pushed access and not pending, so the
-    page cache keeps what the plan needs soonest rather than what the kernel's
-    LRU keeps (with a new permutation each epoch, next to nothing). Until the
+    furthest in the future, after the pushed access and beyond the push
+    window (one the head scheduled is pushed again when the reader nears it;
+    one no tier holds stays), so the page cache keeps what the plan needs
+    soonest rather than what the kernel's LRU keeps (with a new permutation
+    each epoch, next to nothing). A held file's key is its next use, re-keyed
+    at every access the reader is past (``_retire``). Until the
     job reads, the tier keeps to ``PUSH_SHARE`` (the job is still growing);
     when the room shrinks, the tier drops what it holds for accesses beyond the
     new push window, furthest first, and defers their pushes. Room
@@ -104,7 +107,10 @@ class KernelPushes:
     PAGE_CACHE_PROBE_S = 0.05
     LOSS_NEAR = 32  # accesses after a lost push that are suspect with it (see _push_lost)
     LOSS_BURST, LOSS_BURST_S = 3, 0.1  # this many new losses this fast: a mass drop
-    KERNEL_SHARE = 0.8  # of the page-cache room, what the kernel tier (fsd.page_cache) may hold
+    # Of the page-cache room, what the kernel tier (fsd.page_cache) may hold. Was 0.8 while the tier ran
+    # over its capacity in later epochs (see _make_kernel_room); kept to it, 0.9 gave later epochs of
+    # 9.4-10.6 s (e1 + e2, 4 runs of bench-data --skip-steady --skip-floor) against 10.5-12.4 s at 0.8.
+    KERNEL_SHARE = 0.9
     PUSH_SHARE = 0.25  # of the page-cache room, what pushes ahead of the reader may cover
     ROOM_EVERY_S = 0.1  # how often the page-cache room is read (~0.1 ms: cgroupfs, /proc/meminfo)
     ROOM_WINDOW_S = 10.0  # pushes size by the room's low-water mark over this long
@@ -132,7 +138,6 @@ class KernelPushes:
     _lead: LeadControl
     _closed: bool
     _resident: Callable[[int], bool]  # whether a tier holds the file
-    _key: Callable[[int], int]  # its Belady key
     _observe: Callable[[int, float], int | None]  # match a read or lookup against the plan
 
     def _init_pushes(self, push: Callable[[int, bytes], bool] | None,
@@ -396,23 +401,43 @@ class KernelPushes:
             # the kernel's reclaim decides as before
             if shrunk and ktier.used > cap and not self._closed:
                 plan, tr = self._plan, self._tracker
-                nxt = plan.index.first_at_or_after if plan is not None else (lambda f, p: NEVER)
                 # the push window for the new room (_push_limit is still the old one's)
                 floor = int(tr.est_pos(now)) + self._push_window(now, plan) if plan and tr else self._push_limit
-                uses: dict[int, int] = {}  # next use of each file shrink() looked at (every victim)
-
-                def next_use(f: int) -> int:
-                    uses[f] = nxt(f, self._released)
-                    return uses[f]
-
-                victims = self._kernel.shrink(floor, next_use)
-                for v in victims:
-                    q = uses[v]
-                    if q < self._head:
-                        # pushed for a pending access beyond the new window: again when the reader nears
-                        self._pushed.pop(v, None)
-                        self._defer(q, v)
+                victims = self._defer_victims(self._kernel.shrink(floor))
         self._drop_pages(victims)
+
+    def _next_use(self, fid: int) -> int:
+        """The kernel tier's key of *fid*: its next use at or after the release point (lock held)."""
+        plan = self._plan
+        return NEVER - 1 if plan is None else plan.index.first_at_or_after(fid, self._released)
+
+    def _make_kernel_room(self, fid: int, n: int, pos: int) -> list[int]:
+        """Make room in the kernel tier for *n* bytes of *fid*, pushed for access *pos*: forget the
+        files used furthest, after *pos* and beyond the push window (lock held; returns the victims,
+        whose pages the caller drops).
+
+        A victim with a pending access (beyond the push window, before the head) is pushed again when
+        the reader nears it; one that neither a tier nor staging holds stays (its pages are its only
+        copy). Was: nothing pending was a victim, and keys were a file's latest pending access. With
+        the fetch lead a whole epoch ahead in later epochs (default size) most pushes found no
+        victim, the tier ran ~290 MB over its capacity, and reclaim, not the plan, chose what the
+        kernel kept: losses, re-pushes and READs in the epoch after."""
+        floor = max(pos + 1, min(self._head, self._push_limit))
+        head = self._head
+
+        def keep(f: int, q: int) -> bool:
+            return q < head and not (self._resident(f) or f in self._staged)
+
+        return self._defer_victims(self._kernel.make_room(fid, n, floor, keep))
+
+    def _defer_victims(self, victims: list[tuple[int, int]]) -> list[int]:
+        """Kernel-tier victims ``(fid, next use)`` pushed for a pending access (before the head) are
+        pushed again when the reader nears it; returns their fids (lock held)."""
+        for v, q in victims:
+            if q < self._head:
+                self._pushed.pop(v, None)
+                self._defer(q, v)
+        return [v for v, _ in victims]
 
     def _defer(self, pos: int, fid: int) -> None:
         """Push *fid* for access *pos* once the reader is within the push window (lock held)."""
@@ -509,7 +534,7 @@ class KernelPushes:
         with self._lock:
             self.push_verified += 1
             if gen == self._gen.get(fid, 0) and not self._closed:
-                self._kernel.set(fid, want, seq, self._key(fid))
+                self._kernel.set(fid, want, seq, self._next_use(fid))
                 if want == size and fid in self._last_proc:
                     self._pushed[fid] = pos
         return True
@@ -538,8 +563,7 @@ class KernelPushes:
                 return  # the kernel is believed to hold it already
             if self._cannot_land(fid):
                 return
-            # make room in the kernel tier: drop what is used furthest (after this access, not pending)
-            victims = self._kernel.make_room(fid, n, max(pos + 1, self._head)) if n else []
+            victims = self._make_kernel_room(fid, n, pos) if n else []
             seq = self._kernel.event()  # taken before the push: a loss seen while it runs makes it suspect
             gen = self._gen.get(fid, 0)
         self._drop_pages(victims)
@@ -575,7 +599,7 @@ class KernelPushes:
                 if not beacon and fid in self._last_proc:
                     self._pushed[fid] = pos
                 if n and gen == self._gen.get(fid, 0) and self._kernel.current(seq) and not self._closed:
-                    self._kernel.set(fid, n, seq, self._key(fid))
+                    self._kernel.set(fid, n, seq, self._next_use(fid))
             elif not gone:
                 self.push_failures += 1
                 self._push_pending.add(fid)

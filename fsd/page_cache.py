@@ -10,8 +10,9 @@ accesses of epochs 1 and 2, Belady 830 and 830.
 So the daemon keeps its own account of what the kernel holds of each file
 (bytes, keyed by next use) within a capacity set below the page-cache room
 (:func:`fsd.memory.page_cache_room`). A push that would exceed it first drops
-held files used further in the future than the pushed access and not
-pending (the caller drops them with ``posix_fadvise(DONTNEED)`` through the
+held files used further in the future than a floor the caller sets (past the
+pushed access and the push window), passing over those it says to keep (the
+caller drops them with ``posix_fadvise(DONTNEED)`` through the
 mount: pages only, no attribute invalidation, no request to the daemon). If
 that is not enough, the push goes ahead and the kernel's reclaim decides, as
 without this tier: pushes are never held back by a belief.
@@ -33,6 +34,8 @@ from fsd.belady import BeladyIndex
 
 class PageCacheTier:
     """Bytes of each file the kernel page cache is believed to hold, keyed by next use."""
+
+    MAX_KEPT = 256  # candidates make_room passes over before it gives up
 
     def __init__(self, capacity: int | None = None) -> None:
         self.capacity = capacity  # None: unknown, no bound (the kernel's reclaim decides)
@@ -79,9 +82,11 @@ class PageCacheTier:
         self._index = BeladyIndex()
         self.used = 0
 
-    def make_room(self, fid: int, nbytes: int, floor: int) -> list[int]:
+    def make_room(self, fid: int, nbytes: int, floor: int,
+                  keep: Callable[[int, int], bool] | None = None) -> list[tuple[int, int]]:
         """Files to drop so that *fid* can hold *nbytes*: the furthest used first, only those next used
-        at or after *floor*.
+        at or after *floor*, passing over those ``keep(fid, next_use)`` says to keep (at most
+        ``MAX_KEPT``). Returns ``(fid, next use)`` pairs.
 
         The victims are forgotten here; the caller drops their pages. If dropping all of them is not
         enough (``short`` counted), the push goes ahead anyway and the kernel's reclaim decides.
@@ -90,46 +95,42 @@ class PageCacheTier:
             return []
         over = self.used + nbytes - self._bytes.get(fid, 0) - self.capacity
         # the pushed file itself is passed over: its note() re-keys it
-        victims, ran_out = self._take_furthest(over, floor, lambda f: f == fid)
-        if ran_out:
+        victims, short = self._take_furthest(over, floor, lambda f, k: f == fid or (keep is not None and keep(f, k)))
+        if short:
             self.short += 1
         return victims
 
-    def shrink(self, floor: int, next_use: Callable[[int], int], max_kept: int = 256) -> list[int]:
-        """Files to drop to get back within the capacity after it shrank: the furthest keyed first, only
-        those whose *next_use* (the key is a file's latest pending access; an earlier one may be
-        pending too) is at or after *floor*. Gives up after passing *max_kept* files that are needed
-        sooner. Forgotten here, like :meth:`make_room`'s victims."""
+    def shrink(self, floor: int) -> list[tuple[int, int]]:
+        """Files to drop to get back within the capacity after it shrank: the furthest used first, only
+        those next used at or after *floor*. Forgotten here, like :meth:`make_room`'s victims."""
         if self.capacity is None:
             return []
-        victims, _ = self._take_furthest(self.used - self.capacity, floor, lambda f: next_use(f) < floor, max_kept)
+        victims, _ = self._take_furthest(self.used - self.capacity, floor, None)
         self.room_drops += len(victims)
         return victims
 
-    def _take_furthest(self, over: int, floor: int, keep: Callable[[int], bool],
-                       max_kept: int | None = None) -> tuple[list[int], bool]:
-        """Forget the furthest-keyed files, keyed at or after *floor*, until *over* bytes are freed,
-        passing over those *keep* says to keep (giving up after *max_kept* of them). Returns the
-        victims and whether the candidates ran out before *over* was freed."""
-        victims: list[int] = []
+    def _take_furthest(self, over: int, floor: int,
+                       keep: Callable[[int, int], bool] | None) -> tuple[list[tuple[int, int]], bool]:
+        """Forget the furthest-used files, next used at or after *floor*, until *over* bytes are freed,
+        passing over those *keep* says to keep (giving up after ``MAX_KEPT`` of them). Returns the
+        victims with their next uses and whether they fall short of *over*."""
+        victims: list[tuple[int, int]] = []
         kept: list[tuple[int, int]] = []
-        ran_out = False
-        while over > 0 and (max_kept is None or len(kept) < max_kept):
+        while over > 0 and len(kept) < self.MAX_KEPT:
             top = self._index.furthest()
             if top is None or top[1] < floor:
-                ran_out = True
                 break
             self._index.remove(top[0])
-            if keep(top[0]):
+            if keep is not None and keep(*top):
                 kept.append(top)
                 continue
-            victims.append(top[0])
+            victims.append(top)
             over -= self._bytes[top[0]]
             self.forget(top[0])
         for k in kept:
             self._index.set(*k)
         self.drops += len(victims)
-        return victims, ran_out
+        return victims, over > 0
 
     def stats(self) -> dict:
         return {"capacity": self.capacity, "bytes": self.used, "files": len(self._bytes), "drops": self.drops,
@@ -210,15 +211,16 @@ class KernelBelief:
         self._cover.pop(fid, None)
         self.tier.forget(fid)
 
-    def make_room(self, fid: int, nbytes: int, floor: int) -> list[int]:
+    def make_room(self, fid: int, nbytes: int, floor: int,
+                  keep: Callable[[int, int], bool] | None = None) -> list[tuple[int, int]]:
         """:meth:`PageCacheTier.make_room`, the victims forgotten here too; the caller drops their pages."""
-        return self._forgotten(self.tier.make_room(fid, nbytes, floor))
+        return self._forgotten(self.tier.make_room(fid, nbytes, floor, keep))
 
-    def shrink(self, floor: int, next_use: Callable[[int], int]) -> list[int]:
+    def shrink(self, floor: int) -> list[tuple[int, int]]:
         """:meth:`PageCacheTier.shrink`, the victims forgotten here too; the caller drops their pages."""
-        return self._forgotten(self.tier.shrink(floor, next_use))
+        return self._forgotten(self.tier.shrink(floor))
 
-    def _forgotten(self, victims: list[int]) -> list[int]:
-        for v in victims:
+    def _forgotten(self, victims: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        for v, _ in victims:
             self._cover.pop(v, None)
         return victims

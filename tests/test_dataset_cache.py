@@ -632,6 +632,37 @@ def test_a_drop_caches_re_pushes_everything_pushed_ahead_not_a_lead_cap(tmp_path
         ds.close()
 
 
+def test_the_kernel_tier_drops_pending_files_beyond_the_push_window_and_pushes_them_again(ds: Dataset) -> None:
+    """A push that needs room drops the held files used furthest, also those with an access the head
+    has scheduled beyond the push window (pushed again when the reader nears it), but not one whose
+    pages are its only copy (no tier or staging holds it), nor one needed within the window. Was:
+    nothing pending was a victim; with the head a whole epoch ahead in later epochs most pushes
+    found none and overfilled the tier."""
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), push=lambda fid, data: True,
+                         drop=lambda fid: None, room=lambda: 1 << 40)
+    stream = epochs_stream(len(ds.paths), 2, seed=21)
+    ids = [int(f) for f in stream.file_ids]
+    cache.set_plan(stream)
+    far, kept, resident, near, pushed = ids[230], ids[160], ids[150], ids[50], ids[10]
+    size = {f: int(ds.sizes[f]) for f in (far, kept, resident, near, pushed)}
+    try:
+        with cache._lock:
+            cache._head, cache._push_limit = 200, 100  # scheduled up to 200, pushed up to 100
+            cache.ram.put(resident, ds.data[resident])
+            for f, q in ((far, 230), (kept, 160), (resident, 150), (near, 50)):
+                cache._kernel.set(f, size[f], cache._kernel.event(), cache._next_use(f))
+                assert cache._kernel.tier._index.key(f) == q
+            cache._pushed[resident] = 150
+            cache._kernel.tier.capacity = cache._kernel.tier.used
+            victims = cache._make_kernel_room(pushed, size[far] + 1, 10)
+            assert victims == [far, resident]
+            assert (150, resident) in cache._deferred and resident not in cache._pushed
+            assert kept in cache._kernel.tier and near in cache._kernel.tier
+            assert cache._kernel.tier.stats()["short"] == 0
+    finally:
+        cache.close()
+
+
 def test_the_kernel_tier_follows_the_room_down_dropping_what_is_used_furthest(ds: Dataset) -> None:
     """Until the job reads, the kernel tier keeps to the push share of the room (the job is still
     growing); when the room shrinks, what it holds for accesses furthest away is dropped (not left

@@ -13,7 +13,7 @@ def test_room_is_made_by_dropping_the_furthest_used_first() -> None:
     for fid, key in [(1, 50), (2, 400), (3, 200)]:
         t.note(fid, 100, key)
     assert t.used == 300
-    assert t.make_room(4, 150, floor=100) == [2, 3]  # 400 first, then 200; 50 is needed sooner
+    assert t.make_room(4, 150, floor=100) == [(2, 400), (3, 200)]  # 400 first, then 200; 50 is needed sooner
     t.note(4, 150, 120)
     assert t.used == 250 and 2 not in t and 3 not in t and 1 in t
     assert t.stats()["drops"] == 2
@@ -58,7 +58,7 @@ def test_make_room_keeps_the_nearest_uses_within_capacity(ops: list[tuple[int, i
         floor = key
         before = dict(keys)
         short = t.stats()["short"]
-        victims = t.make_room(fid, nbytes, floor)
+        victims = [v for v, _ in t.make_room(fid, nbytes, floor)]
         assert fid not in victims
         assert all(before[v] >= floor for v in victims)
         kept = [k for f, k in before.items() if f not in victims and f != fid and k >= floor]
@@ -75,17 +75,36 @@ def test_make_room_keeps_the_nearest_uses_within_capacity(ops: list[tuple[int, i
 
 def test_a_shrunken_capacity_drops_the_furthest_needed_not_those_needed_sooner() -> None:
     t = PageCacheTier(capacity=400)
-    # keys are each file's latest pending access; file 2 is also needed at 20 (its next use)
-    for fid, key in [(1, 50), (2, 500), (3, 300), (4, 10)]:
+    for fid, key in [(1, 50), (2, 20), (3, 300), (4, 10)]:
         t.note(fid, 100, key)
-    nxt = {1: 50, 2: 20, 3: 300, 4: 10}
     t.capacity = 200
-    assert t.shrink(floor=40, next_use=nxt.__getitem__) == [3, 1]  # 2 is needed at 20; 4 before the floor
+    assert t.shrink(floor=40) == [(3, 300), (1, 50)]  # 2 and 4 are needed before the floor
     assert t.used == 200 and 2 in t and 4 in t
     assert t.stats()["drops"] == 2 and t.stats()["short"] == 0 and t.stats()["room_drops"] == 2
     t.capacity = 0
-    assert t.shrink(floor=0, next_use=nxt.__getitem__, max_kept=0) == []  # gives up at once
-    assert PageCacheTier().shrink(0, nxt.__getitem__) == []  # unknown capacity: nothing
+    assert t.shrink(floor=40) == []  # what is left is needed before the floor
+    assert PageCacheTier().shrink(0) == []  # unknown capacity: nothing
+
+
+def test_make_room_passes_over_what_keep_says_and_gives_up_after_max_kept() -> None:
+    t = PageCacheTier(capacity=300)
+    for fid, key in [(1, 50), (2, 400), (3, 200)]:
+        t.note(fid, 100, key)
+    seen: list[tuple[int, int]] = []
+
+    def keep(f: int, k: int) -> bool:
+        seen.append((f, k))
+        return f == 2  # e.g. its pages are its only copy
+
+    assert t.make_room(4, 100, floor=100, keep=keep) == [(3, 200)]
+    assert seen == [(2, 400), (3, 200)]
+    assert 2 in t and t.stats()["short"] == 0
+    t.note(4, 100, 300)
+    assert t.make_room(5, 100, floor=100, keep=lambda f, k: True) == []  # everything kept: short
+    assert t.stats()["short"] == 1 and len(t) == 3
+    t.MAX_KEPT = 1
+    assert t.make_room(5, 100, floor=100, keep=lambda f, k: f == 2) == []  # gave up after passing 2
+    assert 4 in t and t.stats()["short"] == 2
 
 
 def test_a_loss_makes_what_was_put_there_before_it_suspect_not_what_came_after() -> None:
@@ -136,11 +155,11 @@ def test_victims_are_forgotten_by_the_belief_and_the_tier() -> None:
     b.tier.capacity = 200
     b.set(1, 100, b.event(), key=50)
     b.set(2, 100, b.event(), key=400)
-    assert b.make_room(3, 100, floor=100) == [2]
+    assert b.make_room(3, 100, floor=100) == [(2, 400)]
     assert b.held(2) == 0 and not b.suspect(2) and b.seq_of(2) is None and 2 not in b.tier
     b.set(3, 100, b.event(), key=120)
     b.tier.capacity = 100
-    assert b.shrink(100, lambda f: {1: 50, 3: 120}[f]) == [3]  # 1 is needed before the floor
+    assert b.shrink(100) == [(3, 120)]  # 1 is needed before the floor
     assert b.seq_of(3) is None and b.held(1) == 100
     b.forget(1)
     assert b.seq_of(1) is None and b.tier.used == 0
