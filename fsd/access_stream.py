@@ -192,5 +192,5 @@ def next_use(stream: NodeStream) -> np.ndarray:
     return out
 
 
-__all__ = ["BEACON_LEVEL_MAX", "NodeStream", "beacon_levels", "build_node_stream", "future_counts", "id_dtype", "interleave_epoch", "next_use",
-           "rank_dtype"]
+__all__ = ["BEACON_LEVEL_MAX", "NodeStream", "beacon_levels", "build_node_stream", "future_counts", "id_dtype",
+           "interleave_epoch", "next_use", "rank_dtype"]
