@@ -153,12 +153,20 @@ def beacon_levels(ranks: np.ndarray, n: int) -> np.ndarray:
     if len(ranks) != n or n == 0:
         level[:] = _ordinal_levels(n)
         return level
-    top = int(ranks.max())
-    values = np.flatnonzero(np.bincount(ranks)) if 0 <= int(ranks.min()) and top < 1 << 24 else np.unique(ranks)
-    for r in values:
+    for r in rank_values(ranks):
         at = np.flatnonzero(ranks == r)
         level[at] = _ordinal_levels(len(at))
     return level
+
+
+def rank_values(ranks: np.ndarray) -> np.ndarray:
+    """The distinct ranks in *ranks*, ascending: a bincount (no sort of the stream) for small
+    non-negative ids."""
+    if ranks.size == 0:
+        return ranks[:0]
+    if int(ranks.min()) >= 0 and int(ranks.max()) < 1 << 24:
+        return np.flatnonzero(np.bincount(ranks))
+    return np.unique(ranks)
 
 
 def _ordinal_levels(m: int) -> np.ndarray:
@@ -193,4 +201,4 @@ def next_use(stream: NodeStream) -> np.ndarray:
 
 
 __all__ = ["BEACON_LEVEL_MAX", "NodeStream", "beacon_levels", "build_node_stream", "future_counts", "id_dtype",
-           "interleave_epoch", "next_use", "rank_dtype"]
+           "interleave_epoch", "next_use", "rank_dtype", "rank_values"]

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fsd.access_stream import NodeStream, beacon_levels
+from fsd.access_stream import NodeStream, beacon_levels, rank_values
 from fsd.backend import Backend
 from fsd.belady import NEVER, BeladyIndex, FileIndex, next_use
 from fsd.kernel_push import KernelPushes
@@ -202,7 +202,7 @@ class DatasetCache(KernelPushes):
         window = max(1, int(stream.window))
         ranks = np.asarray(stream.ranks)
         levels = beacon_levels(ranks, len(ids))
-        n_ranks = len(np.unique(ranks)) if len(ranks) == len(ids) and len(ids) else 1
+        n_ranks = len(rank_values(ranks)) if len(ranks) == len(ids) and len(ids) else 1
         rank_bits = (n_ranks - 1).bit_length()
         with self._lock:
             sizes = self._size_estimates()
@@ -215,7 +215,7 @@ class DatasetCache(KernelPushes):
             self._reset_position(0)
             beacon = self.BEACON_EVERY if self.push is not None else 0
             self._set_beacon_spacing(self.BEACON_EVERY)
-            self._tracker = ProgressTracker(index, len(ids), window, beacon, np.asarray(stream.ranks))
+            self._tracker = ProgressTracker(index, len(ids), window, beacon, ranks)
             self._lead = LeadControl(self.LEAD_S, 2 * window + 4 * self.fetch_threads + beacon + 16, self.MAX_LEAD)
             self._push_ctl = LeadControl(self.LEAD_S, max(16, window // 8), self.MAX_LEAD)
             for fid, _ in self._belady.items():
