@@ -51,6 +51,13 @@ from .threads import name_os_thread
 log = logging.getLogger(__name__)
 
 
+def _scan(path: bytes) -> None:
+    """List the directory at *path* (READDIRPLUS through a FUSE mount)."""
+    with os.scandir(path) as it:
+        for _ in it:
+            pass
+
+
 class AttrRefresher:
     """Refreshes the kernel's attributes of files whose atime went stale after READs."""
 
@@ -127,30 +134,27 @@ class AttrRefresher:
                 n += self._list(os.path.join(root, d) if d else root, d, len(files))
                 continue
             for ino, path in files.items():
-                if self.known is not None and not self.known(ino):
-                    continue
-                try:
-                    os.lstat(os.path.join(root, path))
-                except OSError as e:  # vanished, or the mount is going away
-                    self.errors += 1
-                    log.debug("attribute refresh of %r: %s", path, e)
-                    continue
-                self.stats += 1
-                self.refreshed += 1
+                if (self.known is None or self.known(ino)) and self._refresh(os.lstat, os.path.join(root, path), path):
+                    self.stats += 1
+                    self.refreshed += 1
         return n
 
     def _list(self, path: bytes, d: bytes, stale: int) -> int:
-        try:
-            with os.scandir(path) as it:
-                for _ in it:
-                    pass
-        except OSError as e:  # vanished, or the mount is going away
-            self.errors += 1
-            log.debug("attribute refresh of %r: %s", d, e)
+        if not self._refresh(_scan, path, d):
             return 0
         self.listings += 1
         self.refreshed += stale
         return 1
+
+    def _refresh(self, how: Callable[[bytes], object], path: bytes, name: bytes) -> bool:
+        """``how(path)`` (a stat or a listing through the mount); False, counted, if it failed."""
+        try:
+            how(path)
+        except OSError as e:  # vanished, or the mount is going away
+            self.errors += 1
+            log.debug("attribute refresh of %r: %s", name, e)
+            return False
+        return True
 
     def _run(self) -> None:
         name_os_thread()
