@@ -515,6 +515,7 @@ class DatasetCache(KernelPushes):
                 return []
             now = time.monotonic()
             self._retire(max(0, tr.trail - 2 * plan.window))
+            self._release_ranks(plan, tr)
             est = tr.est_pos(now)
             lead = self._lead.entries(tr.rate, now)
             self._lead_target = lead
@@ -621,7 +622,7 @@ class DatasetCache(KernelPushes):
         while self._pending and self._pending[0][0] < upto:
             i, fid = self._pending.popleft()
             k = int(plan.nu[i])
-            self._kernel.tier.rekey(fid, k)  # every access: its key is the next use
+            self._kernel.tier.rekey(fid, self._unconsumed(k))  # every access: its key is the next use
             if self._last_proc.get(fid) != i:
                 continue
             del self._last_proc[fid]

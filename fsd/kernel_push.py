@@ -55,8 +55,10 @@ Pushing
     window (one the head scheduled is pushed again when the reader nears it;
     one no tier holds stays), so the page cache keeps what the plan needs
     soonest rather than what the kernel's LRU keeps (with a new permutation
-    each epoch, next to nothing). A held file's key is its next use, re-keyed
-    at every access the reader is past (``_retire``). Until the
+    each epoch, next to nothing). A held file's key is its next use that its
+    rank has not consumed, re-keyed at every access the reader is past: at the
+    release point (``_retire``, the slowest rank's) and, ahead of it, at each
+    rank's own (``_release_ranks``). Until the
     job reads, the tier keeps to ``PUSH_SHARE`` (the job is still growing);
     when the room shrinks, the tier drops what it holds for accesses beyond the
     new push window, furthest first, and defers their pushes. Room
@@ -177,6 +179,9 @@ class KernelPushes:
         # (a stream position) wait in _deferred, a heap of (position, fid), until the reader nears.
         self._push_limit = 1 << 62
         self._deferred: list[tuple[int, int]] = []
+        # per rank of the tracker: where that rank's consumed accesses end, and how far they re-keyed the tier
+        self._rank_rel: list[int] = []
+        self._rank_cursor: list[int] = []
         self.push_deferrals = 0
         self.pushes = 0
         self.file_pushes = 0  # of the pushes, those read from the SSD tier and stored in one call (push_file)
@@ -193,6 +198,8 @@ class KernelPushes:
         self._pushed.clear()
         self._push_queued.clear()
         self._deferred.clear()
+        self._rank_rel = []
+        self._rank_cursor = []
         self._repush_from = None
         self._repush_to_head = False
 
@@ -407,9 +414,46 @@ class KernelPushes:
         self._drop_pages(victims)
 
     def _next_use(self, fid: int) -> int:
-        """The kernel tier's key of *fid*: its next use at or after the release point (lock held)."""
+        """The kernel tier's key of *fid*: its first access at or after the release point that its
+        rank has not consumed (lock held)."""
         plan = self._plan
-        return NEVER - 1 if plan is None else plan.index.first_at_or_after(fid, self._released)
+        return NEVER - 1 if plan is None else self._unconsumed(plan.index.first_at_or_after(fid, self._released))
+
+    def _unconsumed(self, q: int) -> int:
+        """The first of the accesses *q*, its file's next use after it, and so on, that its rank has
+        not consumed (``_release_ranks``), or ``NEVER`` (lock held)."""
+        rel, plan, tr = self._rank_rel, self._plan, self._tracker
+        if not rel or plan is None or tr is None or tr.rank_of is None:
+            return q
+        while q != NEVER and q < rel[tr.rank_of[q]]:
+            q = int(plan.nu[q])
+        return q
+
+    def _release_ranks(self, plan: _Plan, tr: ProgressTracker) -> None:
+        """Re-key the kernel tier at the accesses each rank has consumed past the release point (lock held).
+
+        The release point follows the slowest rank (``_retire``), and ranks drift apart: in later
+        epochs of ``bench-data`` the leading rank's front ran ~2500 stream entries ahead of the
+        trail, so the files it had consumed there kept keys at or just past the reader. They looked
+        needed soonest, no push could drop them (they lie within the push window), and the tier
+        held ~1250 fewer files' worth of what the plan needs next."""
+        if self.push is None or tr.rank_of is None or len(tr.fronts) < 2:
+            return
+        w2 = 2 * plan.window
+        rel = [max(self._released, f - w2) for f in tr.fronts]
+        if len(self._rank_cursor) != len(rel):
+            self._rank_cursor = [self._released] * len(rel)
+        self._rank_rel = rel
+        tier = self._kernel.tier
+        for r, upto in enumerate(rel):
+            lo = max(self._rank_cursor[r], self._released)
+            if upto <= lo:
+                continue
+            self._rank_cursor[r] = upto
+            for q in (lo + np.flatnonzero(tr.rank_of[lo:upto] == r)).tolist():
+                fid = int(plan.ids[q])
+                if fid in tier:
+                    tier.rekey(fid, self._next_use(fid))
 
     def _make_kernel_room(self, fid: int, n: int, pos: int) -> list[int]:
         """Make room in the kernel tier for *n* bytes of *fid*, pushed for access *pos*: forget the

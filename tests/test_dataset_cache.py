@@ -15,7 +15,7 @@ import pytest
 from conftest import wait_for
 from fsd.access_stream import NodeStream
 from fsd.backend import Backend
-from fsd.belady import optimal_hit_rate
+from fsd.belady import NEVER, optimal_hit_rate
 from fsd.dataset_cache import DatasetCache
 from fsd.memory import DropWatch
 from fsd.prefetch import Task
@@ -659,6 +659,48 @@ def test_the_kernel_tier_drops_pending_files_beyond_the_push_window_and_pushes_t
             assert (150, resident) in cache._deferred and resident not in cache._pushed
             assert kept in cache._kernel.tier and near in cache._kernel.tier
             assert cache._kernel.tier.stats()["short"] == 0
+    finally:
+        cache.close()
+
+
+def test_kernel_tier_keys_follow_each_rank_past_the_release_point(ds: Dataset) -> None:
+    """The release point follows the slowest rank; a file the leading rank has consumed past it is
+    re-keyed to its next use (a push can drop it), one still pending for the slower rank is not, and
+    a later access consumed by a rank far ahead does not hide an earlier one still pending. Was: keys
+    stayed at the consumed access until the slowest rank passed it, inside the push window."""
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), push=lambda fid, data: True,
+                         drop=lambda fid: None, room=lambda: 1 << 40)
+    n = len(ds.paths)
+    stream = epochs_stream(n, 2, seed=5)  # ranks alternate: even positions rank 0, odd rank 1
+    ids = [int(f) for f in stream.file_ids]
+    pos = {e: {f: e * n + i for i, f in enumerate(ids[e * n:(e + 1) * n])} for e in (0, 1)}
+    cache.set_plan(stream)
+    try:
+        with cache._lock:
+            plan, tr = cache._plan, cache._tracker
+            assert plan is not None and tr is not None
+            consumed, pending = ids[100], ids[101]  # rank 0's and rank 1's
+            drift = next(f for f in ids[43:n:2] if pos[1][f] % 2 == 0 and pos[1][f] < n + 100)
+            for f in (consumed, pending, drift):
+                cache.ram.put(f, ds.data[f])  # a copy besides the pages: a victim may go (see _make_kernel_room)
+                cache._kernel.set(f, int(ds.sizes[f]), cache._kernel.event(), cache._next_use(f))
+            cache._head, cache._push_limit = 2 * n, 130
+            tr.fronts, tr.trail = [120, 41], 41
+            cache._retire(41 - 2 * plan.window)
+            cache._release_ranks(plan, tr)
+            key = cache._kernel.tier._index.key
+            assert key(consumed) == pos[1][consumed]
+            assert key(pending) == 101 and key(drift) == pos[0][drift]
+            # rank 0 a whole epoch ahead, rank 1 still in epoch 0: drift's epoch-1 access is consumed,
+            # its epoch-0 one is not
+            tr.fronts = [n + 120, 41]
+            cache._release_ranks(plan, tr)
+            assert key(drift) == pos[0][drift] and key(pending) == 101
+            q = pos[1][consumed]
+            assert key(consumed) == (int(NEVER) if q % 2 == 0 and q < n + 120 - 2 * plan.window else q)
+            cache._kernel.tier.capacity = cache._kernel.tier.used
+            victims = cache._make_kernel_room(ids[60], int(ds.sizes[consumed]), 60)
+            assert consumed in victims and pending not in victims and drift not in victims
     finally:
         cache.close()
 
