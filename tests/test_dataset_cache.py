@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import threading
@@ -384,6 +385,44 @@ def test_plan_known_before_the_reader_fills_the_tiers(ds: Dataset, tmp_path: Pat
         st = cache.stats()
         assert st["backend"]["reads"] == len(ds.paths) and st["backend"]["demand_reads"] == 0
         assert st["tiers"]["ssd"]["hits"] > 0
+    finally:
+        cache.close()
+
+
+def test_files_the_plan_uses_no_more_stay_on_the_ssd_tier_until_their_room_is_needed(ds: Dataset, tmp_path: Path) -> None:
+    """Past its last access a file leaves the RAM tier at once but stays on the SSD tier (no unlink on
+    the coordinator under the lock): a plan that resumes the run finds it there, and a fill that needs
+    its room evicts it first."""
+    total = int(ds.sizes.sum())
+    cache = DatasetCache(ds.backend, ram_bytes=total // 4, ssd_dir=tmp_path / "ssd", ssd_bytes=total,
+                         fetch_threads=4)
+    stream = epochs_stream(len(ds.paths), 1, seed=9)
+    ids = stream.file_ids.tolist()
+    cache.set_plan(stream)
+    cache.start()
+    try:
+        for f in ids:
+            assert read_whole(cache, f, len(ds.data[f])) == ds.data[f]
+        # the tracker's front trails the last read by a few matches; the release point by 2 windows more
+        assert wait_for(lambda: cache._released >= len(ids) - 8 * stream.window), cache._released
+        with cache._lock:
+            released = {f for f in ids[: cache._released]}
+            assert not released & set(cache.ram.data)
+            kept = released & set(cache.ssd.entries)
+            assert len(kept) > 0.5 * len(ids)
+            assert all(cache._belady.key(f) == NEVER for f in kept)
+            assert all(os.path.exists(cache.ssd.entries[f].path) for f in kept)
+            reads = cache.backend_reads
+            # a fill that needs room: the files used no more make way, the furthest first
+            free = cache.ssd.free()
+            assert cache._fill_room(-1, free + 1) and cache.ssd.free() > free
+            kept &= set(cache.ssd.entries)
+            assert len(kept) > 0.5 * len(ids)
+        cache.set_plan(dataclasses.replace(stream, start_epoch=1))  # the same order again, as a resumed run
+        for f in ids:
+            assert read_whole(cache, f, len(ds.data[f])) == ds.data[f]
+        st = cache.stats()
+        assert st["backend"]["reads"] - reads <= len(ids) - len(kept) + 8, st["backend"]
     finally:
         cache.close()
 
