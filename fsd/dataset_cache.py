@@ -162,6 +162,7 @@ class DatasetCache(KernelPushes):
         self.plan_accesses = 0
         self.plan_hits = 0
         self.plan_skipped = 0
+        self._counted = 0  # accesses of the plan before this one are counted (_count)
         self.backend_bytes = 0
         self.backend_reads = 0
         self.demand_reads = 0
@@ -209,6 +210,7 @@ class DatasetCache(KernelPushes):
         placement = compute_placement(ids, 0, sizes, self.ram.capacity, self.ssd.capacity)
         with self._cond:
             self._plan_gen += 1
+            self._counted = 0
             self._plan = _Plan(self._plan_gen, ids, nu, index, window, int(stream.start_epoch),
                                np.asarray(stream.epoch_bounds), ranks, levels, rank_bits)
             self._placement = placement
@@ -242,6 +244,7 @@ class DatasetCache(KernelPushes):
         """Stop prefetching; serve on demand from tiers and backend."""
         with self._cond:
             self._plan_gen += 1
+            self._counted = 0
             self._plan = None
             self._tracker = None
             self._reset_position(0)
@@ -464,10 +467,7 @@ class DatasetCache(KernelPushes):
         assert plan is not None
         lo = max(self._head, q - plan.window)
         for i in range(self._head, lo):  # accesses the reader has passed without us
-            self.plan_accesses += 1
-            self.plan_skipped += 1
-            if self._resident(int(plan.ids[i])):
-                self.plan_hits += 1
+            self._count(i, self._resident(int(plan.ids[i])), skipped=True)
         self._head = lo
         tasks: list[Task] = []
         while self._head <= q:
@@ -475,10 +475,7 @@ class DatasetCache(KernelPushes):
             if t == "blocked":
                 # no room to prefetch the ones in between: their readers read them themselves
                 for i in range(self._head, q):
-                    self.plan_accesses += 1
-                    self.plan_skipped += 1
-                    if self._resident(int(plan.ids[i])):
-                        self.plan_hits += 1
+                    self._count(i, self._resident(int(plan.ids[i])), skipped=True)
                 self._head = q
                 continue
             self._head += 1
@@ -557,8 +554,7 @@ class DatasetCache(KernelPushes):
         if stop_at_repeat and fid in self._last_proc:
             return "blocked"
         if self._resident(fid) or fid in self._staged or fid in self._inflight or fid in self._ssd_writing:
-            self.plan_accesses += 1
-            self.plan_hits += 1
+            self._count(i, True)
             self._note_pending(i, fid)
             if self._resident(fid):
                 self._belady.set(fid, i)
@@ -573,8 +569,7 @@ class DatasetCache(KernelPushes):
             est = max(4096, 2 * self._size_sum // self._size_n) if self._size_n else self.DEFAULT_SIZE_EST
             est = min(est, self.staging_cap)
         if est > self.staging_cap:
-            self.plan_accesses += 1  # too large to prefetch; the reader fetches it
-            self.plan_skipped += 1
+            self._count(i, False, skipped=True)  # too large to prefetch; the reader fetches it
             return None
         to_tier = False
         if force:
@@ -583,7 +578,7 @@ class DatasetCache(KernelPushes):
             if not self._fill_room(fid, est):
                 return "blocked"
             to_tier = True
-        self.plan_accesses += 1
+        self._count(i, False)
         self._note_pending(i, fid)
         if to_tier:
             self._fill_reserved += est
@@ -595,6 +590,17 @@ class DatasetCache(KernelPushes):
         self._inflight[fid] = inf
         inf.task = Task("fetch", fid, i, plan.gen, est, inf)
         return inf.task
+
+    def _count(self, i: int, hit: bool, skipped: bool = False) -> None:
+        """Count access *i* in the plan's hit rate, once: a resync after a divergence processes
+        accesses again from the slowest rank (lock held). Was: counted again, and one run of
+        ``bench-data`` reported a hit rate 1.026 times the Belady optimum."""
+        if i < self._counted:
+            return
+        self._counted = i + 1
+        self.plan_accesses += 1
+        self.plan_hits += hit
+        self.plan_skipped += skipped
 
     def _fill_room(self, fid: int, est: int) -> bool:
         """Whether *fid* may be fetched straight into a tier: one has *est* bytes free beyond

@@ -225,6 +225,25 @@ def test_divergence_backs_off_and_resumes(ds: Dataset) -> None:
         cache.close()
 
 
+def test_accesses_processed_again_after_a_resync_count_once(ds: Dataset) -> None:
+    """A resync moves the head back to the slowest rank: the hit rate counts each access once."""
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2)
+    stream = epochs_stream(len(ds.paths), 2, seed=8)
+    cache.set_plan(stream)
+    try:
+        with cache._lock:
+            for f in stream.file_ids[:100].tolist():
+                cache.ram.put(f, ds.data[f])
+            for i in range(60):
+                assert cache._process(i) is None and cache.plan_hits == i + 1
+            cache._reset_position(20)
+            for i in range(20, 100):
+                cache._process(i)
+            assert cache.plan_accesses == cache.plan_hits == 100
+    finally:
+        cache.close()
+
+
 def test_plan_switch_mid_stream(ds: Dataset) -> None:
     cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 0.5), fetch_threads=4)
     a = epochs_stream(len(ds.paths), 2, seed=1)
