@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 import os
 import random
 import threading
@@ -240,6 +241,35 @@ def test_accesses_processed_again_after_a_resync_count_once(ds: Dataset) -> None
             for i in range(20, 100):
                 cache._process(i)
             assert cache.plan_accesses == cache.plan_hits == 100
+    finally:
+        cache.close()
+
+
+def test_a_read_far_past_a_front_not_moved_for_a_while_still_matches(ds: Dataset) -> None:
+    """Between beacons (or at an epoch turn) a page-cache-hot reader sends nothing: a read may match
+    as far past the front as the reader's rate carries it since the front last moved, no further."""
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2)
+    n = len(ds.paths)
+    stream = epochs_stream(n, 2, seed=10, ranks=1)
+    ids = stream.file_ids.tolist()
+    cache.set_plan(stream)
+    try:
+        with cache._lock:
+            tr = cache._tracker
+            assert tr is not None
+            q = next(i for i in range(n + 60, 2 * n) if ids.index(ids[i]) < 40)  # its epoch-0 access is far behind
+            t0 = time.monotonic()
+
+            def at(now: float) -> int | None:
+                tr.fronts, tr.front, tr.trail, tr.t_front, tr.rate = [100], 100, 100, t0, (q - 100) / 1.5
+                tr._hist = [deque([100], maxlen=5)]
+                cache._head = 110
+                return cache._observe(ids[q], now)
+
+            assert at(t0 + 0.01) is None  # just after the front moved: too far
+            assert at(t0 + 1.6) == q  # the reader's rate carries it there in 1.5 s
+            cache.BLIND_MAX_S = 0.2  # not for longer than this
+            assert at(t0 + 1.6) is None
     finally:
         cache.close()
 
