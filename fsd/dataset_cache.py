@@ -615,7 +615,7 @@ class DatasetCache(KernelPushes):
         """Whether *fid* may be fetched straight into a tier: one has *est* bytes free beyond
         what other fill fetches reserved, and few enough are in flight (lock held).
 
-        Filling free room evicts nothing, so it never costs a hit Belady would have; it lets the
+        Filling free room evicts nothing the plan uses again, so it never costs a hit Belady would have; it lets the
         tiers fill at backend speed from the moment a plan is known (before the job reads, e.g.
         while it starts up), not only a time lead ahead of the reader. Bounded in flight so that
         the reader's own fetches and pushes do not queue behind it. Files the plan uses no more
