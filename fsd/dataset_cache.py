@@ -615,9 +615,9 @@ class DatasetCache(KernelPushes):
         """Whether *fid* may be fetched straight into a tier: one has *est* bytes free beyond
         what other fill fetches reserved, and few enough are in flight (lock held).
 
-        Filling free room evicts nothing the plan uses again, so it never costs a hit Belady would have; it lets the
-        tiers fill at backend speed from the moment a plan is known (before the job reads, e.g.
-        while it starts up), not only a time lead ahead of the reader. Bounded in flight so that
+        Filling free room evicts nothing the plan uses again, so it never costs a hit Belady would
+        have; it lets the tiers fill at backend speed from the moment a plan is known (before the
+        job reads, e.g. while it starts up), not only a time lead ahead of the reader. Bounded in flight so that
         the reader's own fetches and pushes do not queue behind it. Files the plan uses no more
         (kept on the SSD tier, see :meth:`_retire`) make way for it."""
         if fid in self._last_proc or self._fill_inflight >= self.FILL_INFLIGHT_PER_THREAD * self.fetch_threads:

@@ -438,7 +438,8 @@ def test_plan_known_before_the_reader_fills_the_tiers(ds: Dataset, tmp_path: Pat
         cache.close()
 
 
-def test_files_the_plan_uses_no_more_stay_on_the_ssd_tier_until_their_room_is_needed(ds: Dataset, tmp_path: Path) -> None:
+def test_files_the_plan_uses_no_more_stay_on_the_ssd_tier_until_their_room_is_needed(ds: Dataset,
+                                                                                   tmp_path: Path) -> None:
     """Past its last access a file leaves the RAM tier at once but stays on the SSD tier (no unlink on
     the coordinator under the lock): a plan that resumes the run finds it there, and a fill that needs
     its room evicts it first."""
@@ -450,6 +451,9 @@ def test_files_the_plan_uses_no_more_stay_on_the_ssd_tier_until_their_room_is_ne
     cache.set_plan(stream)
     cache.start()
     try:
+        # the plan known before the reader: staging takes the lead, the tiers the rest (RAM a quarter at most)
+        assert wait_for(lambda: len(set(cache.ram.data) | set(cache.ssd.entries) | set(cache._staged))
+                        == len(ids)), cache.stats()
         for f in ids:
             assert read_whole(cache, f, len(ds.data[f])) == ds.data[f]
         # the tracker's front trails the last read by a few matches; the release point by 2 windows more
@@ -458,7 +462,7 @@ def test_files_the_plan_uses_no_more_stay_on_the_ssd_tier_until_their_room_is_ne
             released = {f for f in ids[: cache._released]}
             assert not released & set(cache.ram.data)
             kept = released & set(cache.ssd.entries)
-            assert len(kept) > 0.5 * len(ids)
+            assert len(kept) > 0.4 * len(ids)
             assert all(cache._belady.key(f) == NEVER for f in kept)
             assert all(os.path.exists(cache.ssd.entries[f].path) for f in kept)
             reads = cache.backend_reads
@@ -466,7 +470,7 @@ def test_files_the_plan_uses_no_more_stay_on_the_ssd_tier_until_their_room_is_ne
             free = cache.ssd.free()
             assert cache._fill_room(-1, free + 1) and cache.ssd.free() > free
             kept &= set(cache.ssd.entries)
-            assert len(kept) > 0.5 * len(ids)
+            assert len(kept) > 0.4 * len(ids)
         cache.set_plan(dataclasses.replace(stream, start_epoch=1))  # the same order again, as a resumed run
         for f in ids:
             assert read_whole(cache, f, len(ds.data[f])) == ds.data[f]
