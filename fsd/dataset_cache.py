@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fsd.access_stream import NodeStream, beacon_levels, rank_values
+from fsd.access_stream import NodeStream, beacon_levels
 from fsd.backend import Backend
 from fsd.belady import NEVER, BeladyIndex, FileIndex, next_use
 from fsd.kernel_push import KernelPushes
@@ -209,8 +209,8 @@ class DatasetCache(KernelPushes):
         window = max(1, int(stream.window))
         ranks = np.asarray(stream.ranks)
         levels = beacon_levels(ranks, len(ids))
-        n_ranks = len(rank_values(ranks)) if len(ranks) == len(ids) and len(ids) else 1
-        rank_bits = (n_ranks - 1).bit_length()
+        tracker = ProgressTracker(index, len(ids), window, self.BEACON_EVERY if self.push is not None else 0, ranks)
+        rank_bits = (len(tracker.fronts) - 1).bit_length()  # one front per rank on the node
         with self._lock:
             sizes = self._size_estimates()
         placement = compute_placement(ids, 0, sizes, self.ram.capacity, self.ssd.capacity)
@@ -221,10 +221,10 @@ class DatasetCache(KernelPushes):
                                np.asarray(stream.epoch_bounds), ranks, levels, rank_bits)
             self._placement = placement
             self._reset_position(0)
-            beacon = self.BEACON_EVERY if self.push is not None else 0
             self._set_beacon_spacing(self.BEACON_EVERY)
-            self._tracker = ProgressTracker(index, len(ids), window, beacon, ranks)
-            self._lead = LeadControl(self.LEAD_S, 2 * window + 4 * self.fetch_threads + beacon + 16, self.MAX_LEAD)
+            self._tracker = tracker
+            self._lead = LeadControl(self.LEAD_S, 2 * window + 4 * self.fetch_threads + tracker.beacon_every + 16,
+                                     self.MAX_LEAD)
             self._push_ctl = LeadControl(self.LEAD_S, max(16, window // 8), self.MAX_LEAD)
             for fid, _ in self._belady.items():
                 k = int(first[fid])

@@ -80,6 +80,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fsd.access_stream import rank_values
 from fsd.belady import NEVER, FileIndex
 from fsd.threads import name_os_thread
 
@@ -124,7 +125,9 @@ class ProgressTracker:
         self.window = max(1, int(window))
         self.beacon_every = beacon_every  # 0: no beacons (every read arrives)
         if ranks is not None and len(ranks) == n and n:
-            _, dense = np.unique(np.asarray(ranks), return_inverse=True)
+            ranks = np.asarray(ranks)
+            # dense rank ids without sorting the stream (np.unique did: seconds at 100M entries)
+            dense = np.searchsorted(rank_values(ranks), ranks)
             self.rank_of: np.ndarray | None = dense.astype(np.int32)
             self.fronts = [-1] * (int(dense.max()) + 1)
         else:
