@@ -623,12 +623,7 @@ class DatasetCache(KernelPushes):
         if fid in self._last_proc or self._fill_inflight >= self.FILL_INFLIGHT_PER_THREAD * self.fetch_threads:
             return False
         need = self._fill_reserved + max(est, 1)
-        while max(self.ram.free(), self.ssd.free()) < need:
-            top = self._belady.furthest()
-            if top is None or top[1] != NEVER:
-                return False
-            self._evict(top[0])
-        return True
+        return self._evict_until(lambda: max(self.ram.free(), self.ssd.free()) >= need, NEVER - 1)
 
     def _note_pending(self, i: int, fid: int) -> None:
         self._last_proc[fid] = i
@@ -726,16 +721,19 @@ class DatasetCache(KernelPushes):
         if nu == NEVER:
             return None
         order = [t for t in preference_order(int(self._placement[fid])) if self._tier(t).capacity >= size]
-        if not order:
+        if not order or not self._evict_until(lambda: any(self._tier(t).free() >= size for t in order), nu):
             return None
-        while True:
-            for t in order:
-                if self._tier(t).free() >= size:
-                    return t
+        return next(t for t in order if self._tier(t).free() >= size)
+
+    def _evict_until(self, room: Callable[[], bool], after: int) -> bool:
+        """Evict the residents used furthest, as long as they are next used after *after*, until
+        ``room()``; whether it holds (lock held)."""
+        while not room():
             top = self._belady.furthest()
-            if top is None or top[1] <= nu:
-                return None
+            if top is None or top[1] <= after:
+                return False
             self._evict(top[0])
+        return True
 
     def _tier(self, t: int) -> RamTier | SsdTier:
         return self.ram if t == RAM else self.ssd
