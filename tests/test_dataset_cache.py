@@ -101,6 +101,11 @@ class BoundsMonitor:
         self._t.join()
 
 
+def files_held(cache: DatasetCache) -> int:
+    """Distinct files the RAM tier, the SSD tier or staging hold."""
+    return len(set(cache.ram.data) | set(cache.ssd.entries) | set(cache._staged))
+
+
 def read_whole(cache: DatasetCache, fid: int, size: int, chunk: int = 4096) -> bytes:
     return b"".join(cache.read(fid, off, chunk) for off in range(0, max(size, 1), chunk))
 
@@ -423,8 +428,7 @@ def test_plan_known_before_the_reader_fills_the_tiers(ds: Dataset, tmp_path: Pat
         with BoundsMonitor(cache) as mon:
             # nobody reads: staging alone would stop the head after a few files
             # (the first ones within the lead wait in staging for the reader to consume them)
-            assert wait_for(lambda: len(set(cache.ram.data) | set(cache.ssd.entries) | set(cache._staged))
-                            == len(ds.paths)), cache.stats()
+            assert wait_for(lambda: files_held(cache) == len(ds.paths)), cache.stats()
         assert mon.violations == []
         st = cache.stats()
         assert st["prefetch"]["fills"] > 0.8 * len(ds.paths)
@@ -452,8 +456,7 @@ def test_files_the_plan_uses_no_more_stay_on_the_ssd_tier_until_their_room_is_ne
     cache.start()
     try:
         # the plan known before the reader: staging takes the lead, the tiers the rest (RAM a quarter at most)
-        assert wait_for(lambda: len(set(cache.ram.data) | set(cache.ssd.entries) | set(cache._staged))
-                        == len(ids)), cache.stats()
+        assert wait_for(lambda: files_held(cache) == len(ids)), cache.stats()
         for f in ids:
             assert read_whole(cache, f, len(ds.data[f])) == ds.data[f]
         # the tracker's front trails the last read by a few matches; the release point by 2 windows more
