@@ -158,6 +158,7 @@ class DatasetCache(KernelPushes):
         self._released = 0
         self._pending: deque[tuple[int, int]] = deque()
         self._last_proc: dict[int, int] = {}
+        self._read_ahead: set[int] = set()  # accesses past the head their reader fetched itself (_catch_up)
         self._replan_pos = 0
         self._replanning = False
         self._lead = LeadControl(self.LEAD_S, 64, self.MAX_LEAD)
@@ -265,6 +266,7 @@ class DatasetCache(KernelPushes):
         self._head = self._released = self._replan_pos = pos
         self._pending.clear()
         self._last_proc.clear()
+        self._read_ahead.clear()
         self._reset_pushes()
         for fid in list(self._staged):
             if fid not in self._ssd_writing:
@@ -392,6 +394,8 @@ class DatasetCache(KernelPushes):
         """Whole-file backend read for planned access *q* the prefetcher skipped; admitted by Belady."""
         with self._lock:
             gen = self._gen.get(fid, 0)
+            if self._plan is not None and q >= self._head:
+                self._note_read_ahead(q)
         data = self.backend.read_file(fid)
         ssd_path = None
         with self._lock:
@@ -471,22 +475,27 @@ class DatasetCache(KernelPushes):
         return q if tr.state == SYNCED else None
 
     def _catch_up(self, q: int) -> Task | None:
-        """The reader is at or past the head: skip there and fetch access *q* inline (lock held)."""
-        plan = self._plan
-        assert plan is not None
-        lo = max(self._head, q - plan.window)
-        for i in range(self._head, lo):  # accesses the reader has passed without us
+        """The reader is at or past the head: fetch access *q* inline, and queue the accesses before it
+        (lock held).
+
+        The head skips only what every rank has passed: accesses more than ``window`` behind both *q*
+        and the slowest rank's front. When staging is full the head stays where it is, and the reader
+        reads *q* itself (:meth:`_demand_fetch`, which marks it read ahead). Was: the head jumped to
+        *q*, skipping the accesses in between. With two ranks, one ~1000 entries behind the other,
+        those were the slower rank's: its DataLoader workers then read each of them from the backend
+        one at a time, behind the prefetcher's reads (``bench-data``, epoch 0: ~1000 such reads, 0.8 s
+        stalls every ~15 steps, and the slower rank ~1600 samples behind when the last byte came)."""
+        plan, tr = self._plan, self._tracker
+        assert plan is not None and tr is not None
+        lo = max(self._head, min(q, min(tr.fronts)) - plan.window)
+        for i in range(self._head, lo):  # accesses every reader has passed without us
             self._count(i, self._resident(int(plan.ids[i])), skipped=True)
         self._head = lo
         tasks: list[Task] = []
         while self._head <= q:
             t = self._process(self._head, force=self._head == q)
             if t == "blocked":
-                # no room to prefetch the ones in between: their readers read them themselves
-                for i in range(self._head, q):
-                    self._count(i, self._resident(int(plan.ids[i])), skipped=True)
-                self._head = q
-                continue
+                break  # no staging room: the accesses from here on wait for it, in order
             self._head += 1
             if isinstance(t, Task):
                 tasks.append(t)
@@ -499,6 +508,13 @@ class DatasetCache(KernelPushes):
             else:
                 self._prefetcher.submit(t)
         return inline
+
+    def _note_read_ahead(self, q: int) -> None:
+        """Access *q*, past the head, was read from the backend by its reader: the head passes it
+        without a fetch (lock held). Positions the head jumped over are forgotten now and then."""
+        if len(self._read_ahead) >= 4096:
+            self._read_ahead = {p for p in self._read_ahead if p >= self._head}
+        self._read_ahead.add(q)
 
     def _resident(self, fid: int) -> bool:
         return fid in self.ram or fid in self.ssd
@@ -562,6 +578,10 @@ class DatasetCache(KernelPushes):
         fid = int(plan.ids[i])
         if stop_at_repeat and fid in self._last_proc:
             return "blocked"
+        if i in self._read_ahead:
+            self._read_ahead.discard(i)
+            self._count(i, False, skipped=True)  # its reader read it from the backend (_catch_up)
+            return None
         if self._resident(fid) or fid in self._staged or fid in self._inflight or fid in self._ssd_writing:
             self._count(i, True)
             self._note_pending(i, fid)

@@ -758,6 +758,42 @@ def test_the_kernel_tier_drops_pending_files_beyond_the_push_window_and_pushes_t
         cache.close()
 
 
+def test_a_reader_past_the_head_leaves_a_slower_ranks_accesses_to_the_prefetcher(ds: Dataset) -> None:
+    """A rank that reads past the head skips nothing another rank has still to read. Staging full,
+    the head stays and the reader reads its file itself, which the head then passes without a fetch;
+    with room, everything from the head on is queued. Was: the head jumped to the read (or to a window
+    before it), and the slower rank read each skipped file from the backend, one at a time."""
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 8))  # staging holds the dataset
+    stream = epochs_stream(len(ds.paths), 1, seed=3)  # ranks alternate: even positions rank 0, odd rank 1
+    ids = [int(f) for f in stream.file_ids]
+    cache.set_plan(stream)
+    try:
+        with cache._lock:
+            tr = cache._tracker
+            assert tr is not None and cache._plan is not None and cache._plan.window == 8
+            tr.fronts, tr.trail, tr.front = [60, 21], 21, 60  # rank 1 far behind rank 0
+            cache._head = cache._counted = 40
+            cache._staging_used = cache.staging_cap  # no staging room, no fill fetch either
+            cache._fill_inflight = cache.FILL_INFLIGHT_PER_THREAD * cache.fetch_threads
+        assert cache.read(ids[62], 0, 1 << 20) == ds.data[ids[62]]  # rank 0, past the head
+        with cache._lock:
+            assert (cache._head, cache.plan_skipped, cache.demand_reads) == (40, 0, 1)
+            cache._staging_used = cache._fill_inflight = 0
+            tasks = [cache._process(i) for i in range(40, 63)]
+            cache._head = 63
+            fetched = {t.pos for t in tasks if isinstance(t, Task) and t.kind == "fetch"}
+            assert fetched == set(range(40, 62))  # rank 1's as well as rank 0's, but not 62 again
+            assert cache.plan_skipped == 1 and cache.plan_accesses == 23 and cache.plan_hits == 0
+            tr.fronts, tr.trail, tr.front = [200, 21], 21, 200
+        before = cache.plan_skipped
+        assert cache.read(ids[202], 0, 1 << 20) == ds.data[ids[202]]  # far past the head, room to spare
+        with cache._lock:
+            # nothing skipped: rank 1's accesses from 63 on are queued, and 202 was fetched inline
+            assert cache._head == 203 and cache.plan_skipped == before
+    finally:
+        cache.close()
+
+
 def test_kernel_tier_keys_follow_each_rank_past_the_release_point(ds: Dataset) -> None:
     """The release point follows the slowest rank; a file the leading rank has consumed past it is
     re-keyed to its next use (a push can drop it), one still pending for the slower rank is not, and
