@@ -487,7 +487,7 @@ class DatasetCache(KernelPushes):
         (lock held).
 
         The head skips only what every rank has passed: accesses more than ``window`` behind both *q*
-        and the slowest rank's front. When staging is full the head stays where it is, and the reader
+        and every other rank's front. When staging is full the head stays where it is, and the reader
         reads *q* itself (:meth:`_demand_fetch`, which marks it read ahead). Was: the head jumped to
         *q*, skipping the accesses in between. With two ranks, one ~1000 entries behind the other,
         those were the slower rank's: its DataLoader workers then read each of them from the backend
@@ -495,7 +495,7 @@ class DatasetCache(KernelPushes):
         stalls every ~15 steps, and the slower rank ~1600 samples behind when the last byte came)."""
         plan, tr = self._plan, self._tracker
         assert plan is not None and tr is not None
-        lo = max(self._head, min(q, min(tr.fronts)) - plan.window)
+        lo = max(self._head, tr.slowest_with(q) - plan.window)
         for i in range(self._head, lo):  # accesses every reader has passed without us
             self._count(i, self._resident(int(plan.ids[i])), skipped=True)
         self._head = lo

@@ -165,6 +165,12 @@ class ProgressTracker:
     def _rank(self, q: int) -> int:
         return int(self.rank_of[q]) if self.rank_of is not None else 0
 
+    def slowest_with(self, q: int) -> int:
+        """The least of *q* and the other ranks' fronts (-1 for a rank not seen yet): what a reader at
+        *q* says about who may still read what lies before it."""
+        r = self._rank(q)
+        return min([q, *(f for i, f in enumerate(self.fronts) if i != r)])
+
     def _match(self, fid: int, max_jump: int) -> int:
         """Position of the access a read of *fid* is, or ``NEVER``.
 

@@ -55,6 +55,20 @@ def test_tracker_keeps_one_front_per_rank() -> None:
     assert min(tr.fronts) >= len(ids) - 10 and tr.trail == min(tr.fronts)
 
 
+def test_slowest_with_counts_the_other_ranks_not_the_readers_own() -> None:
+    """A read at *q* vouches for its own rank up to *q*; another rank's accesses before its front are
+    still to be read, and every access of a rank not seen yet is."""
+    ids = np.arange(40)
+    tr = ProgressTracker(FileIndex(ids), 40, window=2, beacon_every=0, ranks=np.arange(40) % 2)
+    tr.fronts = [30, -1]
+    assert tr.slowest_with(34) == -1  # rank 1 not seen yet
+    tr.fronts = [30, 11]
+    assert tr.slowest_with(34) == 11 and tr.slowest_with(35) == 30 and tr.slowest_with(5) == 5
+    one = ProgressTracker(FileIndex(ids), 40, window=2, beacon_every=0)
+    one.fronts = [3]  # a lone reader's front trails its newest reads: it does not hold the head back
+    assert one.slowest_with(20) == 20
+
+
 def test_tracker_extrapolates_between_beacons_but_not_past_the_next() -> None:
     ids = np.arange(1000)
     tr = ProgressTracker(FileIndex(ids), 1000, window=4, beacon_every=16)
