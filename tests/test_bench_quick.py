@@ -150,15 +150,19 @@ def test_bench_data_bound_is_the_pfs_time_from_the_launch(monkeypatch: pytest.Mo
 
 @pytest.mark.mount
 @pytest.mark.timeout(120)
-def test_bench_open_small(tmp_path: Path) -> None:
+@pytest.mark.parametrize("decode", [False, True], ids=["bytes", "decode"])
+def test_bench_open_small(tmp_path: Path, decode: bool) -> None:
     """bench-open end to end: each open(p, "rb") through the mount costs exactly one ioctl, answered
-    by pyfuse3's reader thread; buffering=0 costs none; the cached files cost no READ; the mount is gone."""
+    by pyfuse3's reader thread; buffering=0 costs none; the cached files cost no READ; the mount is gone.
+    With --decode the files are bench-train samples that decode (a bad one raises)."""
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    p = subprocess.run([str(REPO / "tools/bench-open"), "--files", "200", "--size", "8K", "--passes", "2"],
+    p = subprocess.run([str(REPO / "tools/bench-open"), "--files", "200", "--size", "8K", "--passes", "2",
+                        *(["--decode"] if decode else [])],
                        capture_output=True, text=True, timeout=100, cwd=tmp_path, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["fast_ioctl"] is True and r["files"] == 200
+    assert r["fast_ioctl"] is True and r["files"] == 200 and r["decode"] is decode
+    assert isinstance(r["extra_reader_cpu_us_per_open"], float)
     for run in r["runs"]["mount"]:
         assert run["ioctl_per_file"] == 1.0 and run["reads_per_file"] < 0.05, run
     for run in r["runs"]["mount_unbuffered"] + r["runs"]["direct"]:
