@@ -586,9 +586,12 @@ class DatasetCache(KernelPushes):
         fid = int(plan.ids[i])
         if stop_at_repeat and fid in self._last_proc:
             return "blocked"
-        if i in self._read_ahead:
+        if i in self._read_ahead:  # its reader read it from the backend (_catch_up): no fetch
             self._read_ahead.discard(i)
-            self._count(i, False, skipped=True)  # its reader read it from the backend (_catch_up)
+            self._count(i, False, skipped=True)
+            self._note_pending(i, fid)  # so that _retire re-keys it, as any access
+            if self._resident(fid):
+                self._belady.set(fid, i)
             return None
         if self._resident(fid) or fid in self._staged or fid in self._inflight or fid in self._ssd_writing:
             self._count(i, True)
@@ -707,14 +710,16 @@ class DatasetCache(KernelPushes):
         self._prefetcher.submit(Task("ssd", fid, -1, self._plan_gen, 0, (path, st.data, self._gen.get(fid, 0))))
 
     def _key(self, fid: int) -> int:
-        """Belady key of *fid*: its pending access, else its next use after the head (lock held)."""
+        """Belady key of *fid*: its pending access, else its next use after the head that its reader
+        has not read already (lock held)."""
         plan = self._plan
         if plan is None:
             return NEVER - 1
         last = self._last_proc.get(fid)
         if last is not None:
             return last
-        return plan.index.first_at_or_after(fid, self._head)
+        k = plan.index.first_at_or_after(fid, self._head)
+        return int(plan.nu[k]) if k in self._read_ahead else k  # that one is consumed already
 
     def _maybe_replan(self) -> None:
         """Recompute placement over the remaining plan every ``max(window, len/64)`` entries."""

@@ -764,7 +764,7 @@ def test_a_reader_past_the_head_leaves_a_slower_ranks_accesses_to_the_prefetcher
     with room, everything from the head on is queued. Was: the head jumped to the read (or to a window
     before it), and the slower rank read each skipped file from the backend, one at a time."""
     cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 8))  # staging holds the dataset
-    stream = epochs_stream(len(ds.paths), 1, seed=3)  # ranks alternate: even positions rank 0, odd rank 1
+    stream = epochs_stream(len(ds.paths), 2, seed=3)  # ranks alternate: even positions rank 0, odd rank 1
     ids = [int(f) for f in stream.file_ids]
     cache.set_plan(stream)
     try:
@@ -778,6 +778,8 @@ def test_a_reader_past_the_head_leaves_a_slower_ranks_accesses_to_the_prefetcher
         assert cache.read(ids[62], 0, 1 << 20) == ds.data[ids[62]]  # rank 0, past the head
         with cache._lock:
             assert (cache._head, cache.plan_skipped, cache.demand_reads) == (40, 0, 1)
+            plan = cache._plan
+            assert ids[62] in cache.ram and cache._key(ids[62]) == int(plan.nu[62]) > 62  # 62 is consumed
             cache._staging_used = cache._fill_inflight = 0
             tasks = [cache._process(i) for i in range(40, 63)]
             cache._head = 63
