@@ -344,6 +344,7 @@ class DatasetCache(KernelPushes):
         with self._cond:
             q = self._note_read(file_id, off, t0)
             planned = q is not None
+            plan_gen = self._plan_gen
             fetch = self._catch_up(q) if planned and self._plan is not None and q >= self._head else None
         waited = False
         if fetch is not None:
@@ -383,7 +384,7 @@ class DatasetCache(KernelPushes):
                 continue
             break
         if planned and off == 0 and not waited:
-            data = self._demand_fetch(file_id, q)  # planned but not prefetched: keep it if Belady says so
+            data = self._demand_fetch(file_id, q, plan_gen)  # planned, not prefetched: kept if Belady says so
             self._account_stall(True, t0)
             return data[off : off + size]
         out = self.backend.pread(file_id, off, size)
@@ -396,11 +397,12 @@ class DatasetCache(KernelPushes):
         self._account_stall(planned, t0)
         return out
 
-    def _demand_fetch(self, fid: int, q: int) -> bytes:
-        """Whole-file backend read for planned access *q* the prefetcher skipped; admitted by Belady."""
+    def _demand_fetch(self, fid: int, q: int, plan_gen: int) -> bytes:
+        """Whole-file backend read for access *q* of plan generation *plan_gen* that the prefetcher
+        skipped or has not reached; admitted by Belady."""
         with self._lock:
             gen = self._gen.get(fid, 0)
-            if self._plan is not None and q >= self._head:
+            if self._plan is not None and self._plan_gen == plan_gen and q >= self._head:
                 self._note_read_ahead(q)
         data = self.backend.read_file(fid)
         ssd_path = None
@@ -410,7 +412,9 @@ class DatasetCache(KernelPushes):
             self.demand_reads += 1
             plan = self._plan
             busy = (self._resident(fid) or fid in self._staged or fid in self._inflight or fid in self._ssd_writing)
-            if plan is not None and not busy and gen == self._gen.get(fid, 0) and not self._closed:
+            fresh = plan is not None and self._plan_gen == plan_gen and gen == self._gen.get(fid, 0)
+            if fresh and not busy and not self._closed:
+                assert plan is not None
                 if self._sizes[fid] < 0:
                     self._size_sum += len(data)
                     self._size_n += 1
