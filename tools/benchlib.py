@@ -127,6 +127,16 @@ def decode_image(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
+def sample_tensor(data: bytes) -> Any:
+    """A training sample from a file's bytes, as ``bench-train``'s DataLoader workers make it: decoded,
+    to float in [0, 1], pooled to 32 x 32 (torch imported on first use)."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.from_numpy(np.ascontiguousarray(decode_image(data))).float().div_(255.0)
+    return F.adaptive_avg_pool2d(x, 32)
+
+
 def image_shape_for(file_bytes: int) -> tuple[int, int, int]:
     """A square 3-channel shape whose pixel bytes are close to ``file_bytes``."""
     side = max(8, int(round((file_bytes / 3) ** 0.5)))
