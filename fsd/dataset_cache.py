@@ -491,12 +491,13 @@ class DatasetCache(KernelPushes):
         (lock held).
 
         The head skips only what every rank has passed: accesses more than ``window`` behind both *q*
-        and every other rank's front. When staging is full the head stays where it is, and the reader
-        reads *q* itself (:meth:`_demand_fetch`, which marks it read ahead). Was: the head jumped to
-        *q*, skipping the accesses in between. With two ranks, one ~1000 entries behind the other,
-        those were the slower rank's: its DataLoader workers then read each of them from the backend
-        one at a time, behind the prefetcher's reads (``bench-data``, epoch 0: ~1000 such reads, 0.8 s
-        stalls every ~15 steps, and the slower rank ~1600 samples behind when the last byte came)."""
+        and every other observed rank's front. When staging is full the head stays where it is, and
+        the reader reads *q* itself (:meth:`_demand_fetch`, which marks it read ahead). Was: the head
+        jumped to *q*, skipping the accesses in between. With two ranks, one ~1000 entries behind the
+        other, those were the slower rank's: its DataLoader workers then read each of them from the
+        backend one at a time, behind the prefetcher's reads (``bench-data``, epoch 0: ~1000 such
+        reads, 0.8 s stalls every ~15 steps, and the slower rank ~1600 samples behind when the last
+        byte came)."""
         plan, tr = self._plan, self._tracker
         assert plan is not None and tr is not None
         lo = max(self._head, tr.slowest_with(q) - plan.window)

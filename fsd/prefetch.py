@@ -166,10 +166,11 @@ class ProgressTracker:
         return int(self.rank_of[q]) if self.rank_of is not None else 0
 
     def slowest_with(self, q: int) -> int:
-        """The least of *q* and the other ranks' fronts (-1 for a rank not seen yet): what a reader at
-        *q* says about who may still read what lies before it."""
+        """The least of *q* and the other observed ranks' fronts: what a reader at *q* says about who
+        may still read what lies before it. A rank not seen yet holds nothing back, as for ``trail``:
+        a plan may name a rank that never reads."""
         r = self._rank(q)
-        return min([q, *(f for i, f in enumerate(self.fronts) if i != r)])
+        return min([q, *(f for i, f in enumerate(self.fronts) if i != r and f >= 0)])
 
     def _match(self, fid: int, max_jump: int) -> int:
         """Position of the access a read of *fid* is, or ``NEVER``.

@@ -57,11 +57,11 @@ def test_tracker_keeps_one_front_per_rank() -> None:
 
 def test_slowest_with_counts_the_other_ranks_not_the_readers_own() -> None:
     """A read at *q* vouches for its own rank up to *q*; another rank's accesses before its front are
-    still to be read, and every access of a rank not seen yet is."""
+    still to be read; a rank not seen yet holds nothing back (as for the release point)."""
     ids = np.arange(40)
     tr = ProgressTracker(FileIndex(ids), 40, window=2, beacon_every=0, ranks=np.arange(40) % 2)
     tr.fronts = [30, -1]
-    assert tr.slowest_with(34) == -1  # rank 1 not seen yet
+    assert tr.slowest_with(34) == 34  # rank 1 not seen yet
     tr.fronts = [30, 11]
     assert tr.slowest_with(34) == 11 and tr.slowest_with(35) == 30 and tr.slowest_with(5) == 5
     one = ProgressTracker(FileIndex(ids), 40, window=2, beacon_every=0)
