@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -115,6 +116,18 @@ def test_bench_data_small(tmp_path: Path) -> None:
     assert cache["plan"]["accesses"] == 900 and cache["divergence"]["divergences"] == 0
     assert cache["prefetch"]["fills"] > 0  # staged from the launcher's plan
     assert r["steady_ratio_vs_tmpfs"] > 0
+    # the trainers' CPU per phase (DataLoader workers, main processes) and the PFS device's reads
+    for half in ("direct", "floor", "fsd"):
+        by_phase = t[half]["trainers"]["by_phase"]
+        assert list(by_phase) == ["startup", "epoch0", "epoch1", "epoch2"], half
+        for name in ("epoch0", "epoch1", "epoch2"):
+            assert by_phase[name]["workers"] > 0 and by_phase[name]["main"] > 0, (half, by_phase)
+        assert ("device_bytes" in by_phase["epoch0"]) == (half != "floor"), half  # the floor reads tmpfs
+    ds = r["dataset"]["bytes"]
+    assert t["direct"]["trainers"]["by_phase"]["epoch0"]["device_bytes"] >= 0.5 * ds  # read on demand
+    fsd_pfs = t["fsd"]["trainers"]["by_phase"]
+    assert fsd_pfs["epoch1"]["device_bytes"] + fsd_pfs["epoch2"]["device_bytes"] < 0.05 * ds  # from the tiers
+    assert isinstance(t["fsd"]["trainers"]["epoch0_after_last_pfs_read_s"], float)
 
 
 def _bench_data_module(monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -227,3 +240,70 @@ def test_thread_cpu_sampler_splits_a_process_cpu_by_thread_name() -> None:
     assert got["by_thread"].get("push", 0) >= 0.2, got
     assert got["total"] >= got["by_thread"]["push"] - 0.02
     assert benchlib.thread_group("fsd-fetch-3") == "fetch" and benchlib.thread_group("Trio thread 2") == "workers"
+
+
+
+_RANK = r"""
+import os, sys, time
+
+def burn(s):
+    t = time.process_time()
+    while time.process_time() - t < s:
+        pass
+
+flags = sys.argv[1]
+if sys.argv[2] == "short":  # a rank that ends first
+    burn(0.3)
+    sys.exit(0)
+kids = []
+for _ in range(2):
+    pid = os.fork()
+    if pid == 0:
+        with open("/proc/self/comm", "w") as f:
+            f.write("pt_data_worker")
+        burn(0.3)
+        os._exit(0)
+    kids.append(pid)
+for pid in kids:
+    os.waitpid(pid, 0)
+open(os.path.join(flags, "reaped"), "w").close()
+while not os.path.exists(os.path.join(flags, "go")):
+    time.sleep(0.01)
+"""
+
+
+def _cpu_of(pid: int) -> float:
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.root
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a memory cgroup (root)")
+def test_trainer_cpu_sampler_counts_exited_workers_and_ranks(tmp_path: Path) -> None:
+    """The trainers' per-epoch sampler over a cgroup: two 'DataLoader workers' that burned 0.3 s each
+    and were reaped count in full (their parent's cutime), a rank that ended keeps what it was last
+    seen using, and the counters never fall."""
+    def rank(kind: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(cg.wrap([sys.executable, "-c", _RANK, str(tmp_path), kind]))
+
+    with benchlib.MemCgroup(1 << 30, tag=f"test-{os.getpid()}") as cg:
+        short, long = rank("short"), rank("long")
+        try:
+            with benchlib.TrainerCpuSampler(cg, 60.0) as ts:  # samples taken here, at chosen moments
+                assert wait_for(lambda: _cpu_of(short.pid) >= 0.1 and len(cg.pids()) == 4)
+                ts.sample()  # the short rank half done, the workers just started
+                assert short.wait(30) == 0
+                assert wait_for(lambda: (tmp_path / "reaped").exists())
+                ts.sample()  # the short rank gone, the workers reaped
+        finally:
+            (tmp_path / "go").touch()
+            assert long.wait(30) == 0
+    first, last = ts.samples[-2], ts.samples[-1]
+    assert first[1] < 0.3 and last[1] == pytest.approx(0.6, abs=0.05), ts.samples  # workers
+    assert first[2] >= 0.1 and last[2] >= first[2], ts.samples  # main processes: the short rank stays
+    for a, b in zip(ts.samples, ts.samples[1:]):
+        assert b[1] >= a[1] - 1e-9 and b[2] >= a[2] - 1e-9, (a, b)

@@ -490,6 +490,100 @@ class ThreadCpuSampler:
         return {"total": round(b[1] - a[1], 2), "by_thread": {g: v for g, v in groups.items() if v > 0}}
 
 
+def block_read_bytes(dev: str | None) -> int | None:
+    """Bytes read so far from block device *dev* (``/dev/loop3``), from ``/sys/block``; None if unknown."""
+    if not dev:
+        return None
+    try:
+        return int((Path("/sys/block") / os.path.basename(dev) / "stat").read_text().split()[2]) * 512
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class TrainerCpuSampler:
+    """Samples every *period* seconds, from ``/proc`` and ``/sys`` (no request to any daemon), the CPU of
+    a memory cgroup's processes (but *exclude*, e.g. the fsd daemon), split into DataLoader workers
+    (``pt_data_worker``) and the rest (the trainers' main processes), and the bytes read from a block
+    device (the emulated PFS).
+
+    Counters only grow: a main process that exited keeps what it was last seen using, and
+    workers, which end with every epoch, count through their parent's cutime/cstime once it reaped
+    them. What a process used after the last sample before it exited is lost (at most *period*)."""
+
+    WORKER = "pt_data_worker"  # the name torch gives a DataLoader worker process
+
+    def __init__(self, cg: MemCgroup, period: float, block_dev: str | None = None,
+                 exclude: Sequence[int] = ()) -> None:
+        self.cg, self.period, self.block_dev, self.exclude = cg, period, block_dev, set(exclude)
+        self.samples: list[tuple[float, float, float, int | None]] = []  # (t, workers, main, device bytes)
+        self._mains: dict[int, list[float]] = {}  # pid -> [own CPU, reaped children's at first sight, now]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainer-cpu-sampler", daemon=True)
+
+    def sample(self) -> None:
+        """Take one sample now (none while no process runs)."""
+        t = now()
+        pids = self.cg.pids()
+        if not pids:
+            return
+        live_workers = 0.0
+        for pid in pids:
+            if pid in self.exclude:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    stat = f.read()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            own = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+            if stat[stat.index("(") + 1:stat.rindex(")")] == self.WORKER:
+                live_workers += own
+                self._mains.pop(pid, None)  # seen once before torch named it
+                continue
+            reaped = (int(fields[13]) + int(fields[14])) / _CLK_TCK
+            m = self._mains.setdefault(pid, [own, reaped, reaped])
+            m[0], m[2] = own, reaped
+        main = sum(m[0] for m in self._mains.values())
+        workers = live_workers + sum(m[2] - m[1] for m in self._mains.values())
+        self.samples.append((t, workers, main, block_read_bytes(self.block_dev)))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.sample()
+
+    def __enter__(self) -> TrainerCpuSampler:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _at(self, t: float) -> tuple[float, float, float, int | None]:
+        """The last sample at or before *t* (the first one if none): the processes may be gone after."""
+        return max((s for s in self.samples if s[0] <= t), key=lambda s: s[0], default=self.samples[0])
+
+    def between(self, t0: float, t1: float) -> dict[str, Any]:
+        """Workers' and main processes' CPU seconds, and device bytes read, from *t0* to *t1* (the
+        last samples at or before each)."""
+        if not self.samples:
+            return {}
+        a, b = self._at(t0), self._at(t1)
+        out: dict[str, Any] = {"workers": round(b[1] - a[1], 2), "main": round(b[2] - a[2], 2)}
+        if a[3] is not None and b[3] is not None:
+            out["device_bytes"] = b[3] - a[3]
+        return out
+
+    def last_read_at(self) -> float | None:
+        """When the device's read count last grew (the sample that first showed its final value)."""
+        if not self.samples or self.samples[-1][3] is None:
+            return None
+        final = self.samples[-1][3]
+        return next(t for t, _, _, n in self.samples if n == final)
+
+
 def throughput_series(step_log: Sequence[tuple[float, int]], t0: float, bin_s: float = 1.0) -> tuple[list[float], list[float]]:
     """(time, samples/s) per ``bin_s`` bin from (timestamp, samples) step records."""
     if not step_log:
