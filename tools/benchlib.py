@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Self, Sequence
 
 import numpy as np
 
@@ -432,15 +432,44 @@ def _cpu_s(stat: str) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
-class ThreadCpuSampler:
+class PeriodicSampler:
+    """Calls :meth:`sample` on entry, then every *period* seconds on a thread until exit (and once more
+    then, if *sample_on_exit*)."""
+
+    sample_on_exit = True
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{type(self).__name__}", daemon=True)
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.sample()
+
+    def __enter__(self) -> Self:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.sample_on_exit:
+            self.sample()
+
+
+class ThreadCpuSampler(PeriodicSampler):
     """Samples a process's CPU, in all and per thread group, every *period* seconds from ``/proc``
     (no request to the daemon: reading ``.fsd/status`` would be one), for per-epoch figures."""
 
     def __init__(self, pid: int, period: float) -> None:
-        self.pid, self.period = pid, period
+        super().__init__(period)
+        self.pid = pid
         self.samples: list[tuple[float, float, dict[str, float]]] = []  # (t, process total, per group)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
 
     def sample(self) -> None:
         """Take one sample now (nothing once the process is gone)."""
@@ -465,20 +494,6 @@ class ThreadCpuSampler:
             return
         self.samples.append((t, total, groups))
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            self.sample()
-
-    def __enter__(self) -> ThreadCpuSampler:
-        self.sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
-
     def between(self, t0: float, t1: float) -> dict[str, Any]:
         """CPU seconds used from *t0* to *t1* (the nearest samples), in all and per group. A group's
         threads that ended in between lose their share; ``total`` (the process's) keeps it."""
@@ -500,7 +515,7 @@ def block_read_bytes(dev: str | None) -> int | None:
         return None
 
 
-class TrainerCpuSampler:
+class TrainerCpuSampler(PeriodicSampler):
     """Samples every *period* seconds, from ``/proc`` and ``/sys`` (no request to any daemon), the CPU of
     a memory cgroup's processes (but *exclude*, e.g. the fsd daemon), split into DataLoader workers
     (``pt_data_worker``) and the rest (the trainers' main processes), and the bytes read from a block
@@ -511,14 +526,14 @@ class TrainerCpuSampler:
     them. What a process used after the last sample before it exited is lost (at most *period*)."""
 
     WORKER = "pt_data_worker"  # the name torch gives a DataLoader worker process
+    sample_on_exit = False  # the trainers are gone by then
 
     def __init__(self, cg: MemCgroup, period: float, block_dev: str | None = None,
                  exclude: Sequence[int] = ()) -> None:
-        self.cg, self.period, self.block_dev, self.exclude = cg, period, block_dev, set(exclude)
+        super().__init__(period)
+        self.cg, self.block_dev, self.exclude = cg, block_dev, set(exclude)
         self.samples: list[tuple[float, float, float, int | None]] = []  # (t, workers, main, device bytes)
         self._mains: dict[int, list[float]] = {}  # pid -> [own CPU, reaped children's at first sight, now]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="trainer-cpu-sampler", daemon=True)
 
     def sample(self) -> None:
         """Take one sample now (none while no process runs)."""
@@ -547,19 +562,6 @@ class TrainerCpuSampler:
         main = sum(m[0] for m in self._mains.values())
         workers = live_workers + sum(m[2] - m[1] for m in self._mains.values())
         self.samples.append((t, workers, main, block_read_bytes(self.block_dev)))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            self.sample()
-
-    def __enter__(self) -> TrainerCpuSampler:
-        self.sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
     def _at(self, t: float) -> tuple[float, float, float, int | None]:
         """The last sample at or before *t* (the first one if none): the processes may be gone after."""
