@@ -274,10 +274,9 @@ while not os.path.exists(os.path.join(flags, "go")):
 
 def _cpu_of(pid: int) -> float:
     try:
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return benchlib._cpu_s(Path(f"/proc/{pid}/stat").read_text())
     except FileNotFoundError:
         return 0.0
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.mark.root

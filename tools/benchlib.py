@@ -426,10 +426,12 @@ def thread_group(name: str) -> str:
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_s(stat: str) -> float:
-    """utime + stime in seconds from a ``/proc/.../stat`` line."""
+def _cpu_s(stat: str, reaped: bool = False) -> float:
+    """utime + stime in seconds from a ``/proc/.../stat`` line (*reaped*: cutime + cstime, the reaped
+    children's)."""
     fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    i = 13 if reaped else 11
+    return (int(fields[i]) + int(fields[i + 1])) / _CLK_TCK
 
 
 class PeriodicSampler:
@@ -550,13 +552,12 @@ class TrainerCpuSampler(PeriodicSampler):
                     stat = f.read()
             except (FileNotFoundError, ProcessLookupError):
                 continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            own = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+            own = _cpu_s(stat)
             if stat[stat.index("(") + 1:stat.rindex(")")] == self.WORKER:
                 live_workers += own
                 self._mains.pop(pid, None)  # seen once before torch named it
                 continue
-            reaped = (int(fields[13]) + int(fields[14])) / _CLK_TCK
+            reaped = _cpu_s(stat, reaped=True)
             m = self._mains.setdefault(pid, [own, reaped, reaped])
             m[0], m[2] = own, reaped
         main = sum(m[0] for m in self._mains.values())
