@@ -39,10 +39,13 @@ Divergence and back-off
     switch the tracker to ``diverged``: the cache stops prefetching and
     pushing (no backend thrash, no page-cache pollution) and serves reads on
     demand. While diverged every read tries to re-anchor: ``RESYNC_MATCHES``
-    consecutive reads that fit one position of the plan (each within
-    ``2*window + beacon_every`` of the candidate) switch back to ``synced`` at
-    that position, so a reader that skipped ahead or restarted an epoch is
-    picked up again.
+    reads in a row near their ranks' fronts, or ``RESYNC_MATCHES`` of the last
+    ``2*RESYNC_MATCHES`` reads fitting one place of the plan, anywhere in it
+    (each within ``2*window + beacon_every`` of it), switch back to ``synced``
+    there, re-anchoring the ranks that read there. A reader that skipped ahead,
+    or a job restarted from a checkpoint while the mount stayed up (same plan,
+    earlier positions), is picked up again; a rank that did not go back keeps
+    its front.
 
 Lead
     The prefetch head runs ``lead = rate * lead_s`` entries ahead of the
@@ -92,6 +95,7 @@ DIVERGED = "diverged"
 DIV_WINDOW = 32
 DIV_THRESHOLD = 12
 RESYNC_MATCHES = 8
+MAX_ANCHORS = 4096  # positions a resync run is tried at: its newest read's file's first accesses
 
 
 @dataclass
@@ -147,8 +151,11 @@ class ProgressTracker:
         self.foreign = 0
         self.divergences = 0
         self.resyncs = 0
-        self._cand: int | None = None
-        self._consec = 0
+        # while diverged: the latest reads (file, whether an observed rank's front explained it), the
+        # newest file none explained, and how many reads in a row were explained
+        self._div_reads: deque[tuple[int, bool]] = deque(maxlen=2 * RESYNC_MATCHES)
+        self._unexplained: int | None = None
+        self._explained = 0
 
     @property
     def slack(self) -> int:
@@ -172,7 +179,7 @@ class ProgressTracker:
         r = self._rank(q)
         return min([q, *(f for i, f in enumerate(self.fronts) if i != r and f >= 0)])
 
-    def _match(self, fid: int, max_jump: int) -> int:
+    def _match(self, fid: int, max_jump: int, unseen: bool = True) -> int:
         """Position of the access a read of *fid* is, or ``NEVER``.
 
         Reads do not say which rank sent them, so candidates (predicted
@@ -184,6 +191,7 @@ class ProgressTracker:
            may start an epoch after another);
         3. at most *max_jump* past the leading front (a rank whose files all
            came from the page cache has a stale front).
+        Without *unseen*, round 2 is left out: only observed ranks explain the read.
         """
         w2 = 2 * self.window
         p = self.index.positions(fid)
@@ -197,7 +205,8 @@ class ProgressTracker:
                 break
             fr = self.fronts[self._rank(q)]
             if fr < 0:
-                cands.append((1, 0, q))
+                if unseen:
+                    cands.append((1, 0, q))
             elif fr - w2 <= q <= fr + near:
                 cands.append((0, 0, q))
             elif q >= fr - w2:
@@ -210,7 +219,7 @@ class ProgressTracker:
             self.foreign += 1
             return None
         if self.state == DIVERGED:
-            return self._resync(fid, now)
+            return self._resync(fid, now, max_jump)
         q = self._match(fid, max_jump)
         ok = q != NEVER
         self.recent.append(ok)
@@ -222,7 +231,9 @@ class ProgressTracker:
         if self.recent.count(False) >= DIV_THRESHOLD:
             self.state = DIVERGED
             self.divergences += 1
-            self._cand, self._consec = None, 0
+            self._div_reads.clear()
+            self._unexplained = None
+            self._explained = 0
             log.warning("reads diverged from the plan near position %d (%d of the last %d reads unmatched); "
                         "prefetch paused", self.front, self.recent.count(False), len(self.recent))
         return None
@@ -251,35 +262,81 @@ class ProgressTracker:
             self.rate = inst if self.rate <= 0 else 0.7 * self.rate + 0.3 * inst
             self._rate_pos, self._rate_t = q, now
 
-    def _resync(self, fid: int, now: float) -> int | None:
+    def _resync(self, fid: int, now: float, max_jump: int) -> int | None:
+        """A read while diverged: ``synced`` again once reads are consistent with the plan.
+
+        A read that an observed rank's front explains (``_match`` without its round for ranks not
+        seen yet: that rank may still follow the plan) moves that front only if near it (farther,
+        it may be chance), and ``RESYNC_MATCHES`` of those in a row end the divergence with every
+        front kept. Otherwise the whole plan is searched, earlier positions too (a job restarted
+        from a checkpoint on a mount that stayed up): a place fits where an access of the newest
+        read no front explains has accesses of ``RESYNC_MATCHES`` of the last ``2*RESYNC_MATCHES``
+        reads within ``2*window + beacon_every``, more than half of them reads no front explains
+        (reads of a rank that did not diverge may come between). Of the places that fit, the one
+        nearest the old front wins: each rank with reads there is re-anchored at its last one, the
+        other ranks keep their fronts (a rank that did not go back with the others)."""
+        q = self._match(fid, max_jump, unseen=False)
+        self._div_reads.append((fid, q != NEVER))
+        if q != NEVER:
+            fr = self.fronts[self._rank(q)]
+            if q <= fr + 2 * self.window + (self.beacon_every or 0):  # near its front: followed
+                self._advance(q, now)
+            self._explained += 1
+            if self._explained >= RESYNC_MATCHES:
+                self._synced(now)
+                log.warning("reads match the plan again at its fronts (position %d); prefetch resumed", self.front)
+                return q
+        else:
+            self._explained = 0
+            self._unexplained = fid
+        if self._unexplained is None or len(self._div_reads) < RESYNC_MATCHES:
+            return None
         tol = 2 * self.window + (self.beacon_every or 0)
-        if self._cand is not None:
-            q = self.index.first_at_or_after(fid, max(0, self._cand - tol))
-            if q != NEVER and q <= self._cand + tol:
-                self._consec += 1
-                self._cand = max(self._cand, q)
-                if self._consec >= RESYNC_MATCHES:
-                    self.state = SYNCED
-                    self.resyncs += 1
-                    self.recent.clear()
-                    # the consistent run re-anchors its rank; other ranks keep their fronts (ranks
-                    # drift apart: a divergence of one need not be one of all), unless unset
-                    r = self._rank(self._cand)
-                    self.fronts[r] = self._cand
-                    self._hist[r] = deque([self._cand], maxlen=5)
-                    self.fronts = [f if f >= 0 else self._cand for f in self.fronts]
-                    self.front = max(self.fronts)
-                    self.trail = min(self.fronts)
-                    self.t_front = now
-                    self._rate_pos, self._rate_t = self.front, now
-                    log.warning("reads match the plan again at position %d; prefetch resumed", self._cand)
-                    return q
-                return None
-        q = self.index.first_at_or_after(fid, max(0, self.front - 2 * self.window))
-        if q == NEVER:
-            q = self.index.first_at_or_after(fid, 0)
-        self._cand, self._consec = q, 1
-        return None
+        anchors = self.index.positions(self._unexplained)[:MAX_ANCHORS]
+        near: list[np.ndarray] = []  # per recent read: its access near each anchor, or -1
+        fits = np.zeros(len(anchors), dtype=np.int64)
+        alone = np.zeros(len(anchors), dtype=np.int64)  # of the fits, reads no front explained
+        for f, explained in self._div_reads:
+            p = self.index.positions(f)
+            k = np.minimum(np.searchsorted(p, anchors - tol, side="left"), len(p) - 1)
+            ok = np.abs(p[k] - anchors) <= tol
+            near.append(np.where(ok, p[k], -1))
+            fits += ok
+            if not explained:
+                alone += ok
+        good = np.flatnonzero((fits >= RESYNC_MATCHES) & (2 * alone > RESYNC_MATCHES))
+        if not len(good):
+            return None
+        old = max(self.front, 0)
+        j = int(min(good.tolist(), key=lambda i: (abs(int(anchors[i]) - old), int(anchors[i]))))
+        anchor = int(anchors[j])
+        last: dict[int, int] = {}  # rank -> its last access in the run
+        for acc in near:
+            a = int(acc[j])
+            if a >= 0:
+                r = self._rank(a)
+                last[r] = max(last.get(r, a), a)
+        for r, a in last.items():
+            self.fronts[r] = a
+            self._hist[r] = deque([a], maxlen=5)
+        self.fronts = [f if f >= 0 else anchor for f in self.fronts]
+        self._synced(now)
+        log.warning("reads match the plan again at position %d; prefetch resumed", anchor)
+        cur = int(near[-1][j])
+        return cur if cur >= 0 else None
+
+    def _synced(self, now: float) -> None:
+        """Back to ``synced`` with the current fronts."""
+        self.state = SYNCED
+        self.resyncs += 1
+        self.recent.clear()
+        self._div_reads.clear()
+        self._unexplained = None
+        self._explained = 0
+        self.front = max(self.fronts)
+        self.trail = min(f for f in self.fronts if f >= 0)  # a rank not seen yet holds nothing back
+        self.t_front = now
+        self._rate_pos, self._rate_t = self.front, now
 
     def stats(self) -> dict:
         return {

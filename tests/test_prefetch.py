@@ -544,3 +544,72 @@ def test_pushes_run_in_order_on_one_thread_fetches_in_parallel() -> None:
     assert {name for _, name in pushes} == {"fsd-push"}
     fetch_threads = {name for kind, _, name in done if kind == "fetch"}
     assert len(fetch_threads) == n_fetch and "fsd-push" not in fetch_threads
+
+
+def test_a_resync_re_anchors_every_rank_whose_front_it_contradicts() -> None:
+    """A job restarted from a checkpoint while the mount stays up: both ranks of the node go back from
+    epoch 2 to the start of epoch 1. One divergence and one resync (on whichever rank's reads are
+    consistent first) bring both ranks back: the other rank's front, far ahead of the new anchor, is
+    re-anchored with it instead of waiting for a divergence of its own."""
+    n, per = 600, 3
+    ids = np.concatenate([np.random.default_rng(s).permutation(n) for s in range(per)])
+    ranks = (np.arange(len(ids)) // 4) % 2  # batches of 4, ranks interleaved by batch
+    tr = ProgressTracker(FileIndex(ids), len(ids), window=8, beacon_every=0, ranks=ranks)
+    for q in range(2 * n + 200):  # both ranks from the start to well into epoch 2
+        tr.observe(int(ids[q]), q * 1e-3, 64)
+    assert tr.divergences == 0
+    assert min(tr.fronts) > 2 * n + 150
+    restart = list(range(n, 2 * n))  # epoch 1 again, both ranks, in order
+    got, states = [], []
+    for q in restart:
+        got.append(tr.observe(int(ids[q]), 2.0, 64))
+        states.append(tr.state)
+    assert tr.divergences == 1 and tr.resyncs == 1 and tr.state == SYNCED
+    back = states.index(SYNCED, states.index(DIVERGED))  # the read that resynced
+    assert back < 2 * DIV_THRESHOLD + 2 * RESYNC_MATCHES
+    wrong = [(q, g) for q, g in zip(restart[back:], got[back:]) if g != q]
+    assert len(wrong) <= 5, wrong  # both ranks matched again: on 600 files a few reads are ambiguous
+    assert max(tr.fronts) < 2 * n  # no rank is left at its old front
+
+
+def test_a_resync_keeps_the_front_of_a_rank_that_still_follows_the_plan() -> None:
+    """One rank of two restarts from the start of epoch 1 while the other reads on in epoch 2: the
+    resync puts the restarted rank back on the plan and leaves the other rank's front where its reads
+    are, so both ranks' reads match afterwards."""
+    n, per = 600, 3
+    ids = np.concatenate([np.random.default_rng(s).permutation(n) for s in range(per)])
+    ranks = (np.arange(len(ids)) // 4) % 2
+    tr = ProgressTracker(FileIndex(ids), len(ids), window=8, beacon_every=0, ranks=ranks)
+    for q in range(2 * n + 100):
+        tr.observe(int(ids[q]), q * 1e-3, 64)
+    r0 = [q for q in range(n, 2 * n) if ranks[q] == 0]  # rank 0 again from epoch 1
+    r1 = [q for q in range(2 * n + 100, 3 * n) if ranks[q] == 1]  # rank 1 on in epoch 2
+    order = [q for b in range(0, min(len(r0), len(r1)), 4) for q in r0[b:b + 4] + r1[b:b + 4]]
+    got, states = [], []
+    for q in order:
+        got.append(tr.observe(int(ids[q]), 2.0, 64))
+        states.append(tr.state)
+    assert tr.resyncs >= 1 and tr.state == SYNCED and tr.divergences == tr.resyncs == 1
+    back = states.index(SYNCED, states.index(DIVERGED))
+    wrong = [(q, g) for q, g in zip(order[back:], got[back:]) if g != q]
+    assert len(wrong) <= 5, wrong
+    assert tr.fronts[0] < 2 * n < 2 * n + 100 < tr.fronts[1]
+
+
+def test_reads_back_at_the_fronts_end_a_divergence_and_keep_them() -> None:
+    """A burst of reads the plan does not explain (a tool reading the dataset in another order), then
+    the ranks read on where they were: their fronts are kept, and a rank not seen yet stays unseen
+    (it holds nothing back: the release point is the slowest seen rank's)."""
+    n = 600
+    ids = np.concatenate([np.random.default_rng(s).permutation(n) for s in range(2)])
+    ranks = (np.arange(len(ids)) // 2) % 3  # rank 2 never reads
+    tr = ProgressTracker(FileIndex(ids), len(ids), window=4, beacon_every=0, ranks=ranks)
+    mine = [q for q in range(len(ids)) if ranks[q] != 2]
+    for q in mine[:300]:
+        tr.observe(int(ids[q]), 0.0, 40)
+    tr.state, tr.fronts[2] = DIVERGED, -1  # diverged (the burst; it may have matched rank 2's accesses)
+    before = list(tr.fronts)
+    got = [tr.observe(int(ids[q]), 2.0, 40) for q in mine[300:340]]
+    assert tr.state == SYNCED and tr.resyncs == 1
+    assert tr.fronts[2] == -1 and 0 <= tr.trail == min(tr.fronts[:2]) and tr.fronts[:2] >= before[:2]
+    assert sum(g == q for g, q in zip(got, mine[300:340])) >= 30
