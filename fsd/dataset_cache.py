@@ -161,6 +161,7 @@ class DatasetCache(KernelPushes):
         self._pending: deque[tuple[int, int]] = deque()
         self._last_proc: dict[int, int] = {}
         self._read_ahead: set[int] = set()  # accesses past the head their reader fetched itself (_catch_up)
+        self._resync_fronts: list[int] = []  # per rank: its front at the last resync (_passed_at_resync)
         self._replan_pos = 0
         self._replanning = False
         self._lead = LeadControl(self.LEAD_S, 64, self.MAX_LEAD)
@@ -269,6 +270,7 @@ class DatasetCache(KernelPushes):
         self._pending.clear()
         self._last_proc.clear()
         self._read_ahead.clear()
+        self._resync_fronts = []
         self._reset_pushes()
         for fid in list(self._staged):
             if fid not in self._ssd_writing:
@@ -482,6 +484,7 @@ class DatasetCache(KernelPushes):
             self._reset_position(self._head)  # back off: release transient data, stop pushing
         elif was == DIVERGED and tr.state == SYNCED:
             self._reset_position(max(0, tr.trail - tr.window))
+            self._resync_fronts = list(tr.fronts)
         if q is not None:
             self._cond.notify_all()
         return q if tr.state == SYNCED else None
@@ -521,6 +524,19 @@ class DatasetCache(KernelPushes):
             else:
                 self._prefetcher.submit(t)
         return inline
+
+    def _passed_at_resync(self, i: int) -> bool:
+        """Whether access *i* is one its rank had read past when the tracker last resynced (lock held).
+
+        A resync can leave ranks apart (one went back with its restarted job, another read on): the
+        head restarts at the slowest, and passes the others' accesses up to their fronts without
+        fetching them. Once it is past every such front, this stops being asked."""
+        tr = self._tracker
+        assert tr is not None
+        if i >= max(self._resync_fronts) - tr.window:
+            self._resync_fronts = []
+            return False
+        return i < self._resync_fronts[tr.rank_of[i] if tr.rank_of is not None else 0] - tr.window
 
     def _note_read_ahead(self, q: int) -> None:
         """Access *q*, past the head, was read from the backend by its reader: the head passes it
@@ -565,6 +581,10 @@ class DatasetCache(KernelPushes):
             # beyond both, while the tiers have free room: fill them (resident files pass, others are
             # fetched straight into a tier) up to the first access of a file already pending.
             while self._head < len(plan.ids) and len(tasks) < 64:
+                if self._resync_fronts and self._passed_at_resync(self._head):
+                    self._count(self._head, self._resident(int(plan.ids[self._head])), skipped=True)
+                    self._head += 1
+                    continue
                 beyond = self._head >= push_target
                 t = self._process(self._head, fill=self._head >= target, stop_at_repeat=beyond)
                 if t == "blocked":

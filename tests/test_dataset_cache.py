@@ -231,6 +231,69 @@ def test_divergence_backs_off_and_resumes(ds: Dataset) -> None:
         cache.close()
 
 
+def test_a_job_restarted_on_a_mount_that_stayed_up_is_picked_up_again(ds: Dataset) -> None:
+    """The job dies in epoch 1 and restarts from a checkpoint taken at the start of epoch 1, writing
+    the same plan (kept, with its position): its reads go back to earlier accesses. fsd diverges,
+    then resyncs there and prefetches from there again."""
+    n = len(ds.paths)
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 0.3), fetch_threads=2)
+    stream = epochs_stream(n, 3, seed=11, window=4, ranks=1)
+    cache.set_plan(stream)
+    cache.start()
+    try:
+        ids = stream.file_ids.tolist()
+        for f in ids[: n + 150]:
+            assert cache.read(f, 0, 10000) == ds.data[f]
+        assert cache.stats()["plan"]["head"] >= n + 140
+        for f in ids[n : n + 120]:  # the restarted job: epoch 1 from its start
+            assert cache.read(f, 0, 10000) == ds.data[f]
+        div = cache.stats()["divergence"]
+        assert div["state"] == "synced" and div["divergences"] == 1 and div["resyncs"] == 1, div
+        assert n + 60 < div["front"] < n + 150
+        def served() -> int:  # reads answered from a tier or staging
+            t = cache.stats()["tiers"]
+            return t["ram"]["hits"] + t["staging"]["hits"]
+
+        time.sleep(0.3)
+        served0 = served()
+        for f in ids[n + 120 : n + 200]:
+            assert cache.read(f, 0, 10000) == ds.data[f]
+        assert served() - served0 > 60  # prefetched again, not read on demand
+    finally:
+        cache.close()
+
+
+def test_the_head_passes_accesses_their_rank_has_read_past(ds: Dataset) -> None:
+    """After a resync that put one rank back (its job restarted) while the other read on, the head
+    restarts at the slower rank: it fetches that rank's accesses and passes the other rank's, which
+    that rank has read already, without fetching them, up to where that rank was."""
+    n = len(ds.paths)
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2)  # staging: half
+    stream = epochs_stream(n, 3, seed=12, window=4, ranks=2)
+    cache.set_plan(stream)
+    try:
+        tr = cache._tracker
+        assert tr is not None and tr.rank_of is not None
+        with cache._lock:
+            # what a resync leaves (_observe): rank 0 back at the start of epoch 1, rank 1 200 entries on
+            tr.fronts = [n, n + 200]
+            tr.front, tr.trail = n + 200, n
+            cache._reset_position(n - 4)
+            cache._resync_fronts = list(tr.fronts)
+        fetched: list[int] = []
+        for _ in range(100):  # the coordinator's loop, its tasks run in line
+            for t in cache._schedule():
+                fetched += [t.pos] if t.kind == "fetch" else []
+                cache._execute(t)
+        fetched.sort()
+        assert fetched, "nothing fetched"
+        assert all(tr.rank_of[q] == 0 or q >= n + 200 - 4 for q in fetched), fetched
+        assert cache.stats()["plan"]["head"] > n + 200 and cache._resync_fronts == []
+        assert any(tr.rank_of[q] == 1 for q in fetched)  # past rank 1's front, its accesses are fetched
+    finally:
+        cache.close()
+
+
 def test_accesses_processed_again_after_a_resync_count_once(ds: Dataset) -> None:
     """A resync moves the head back to the slowest rank: the hit rate counts each access once."""
     cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2)
