@@ -250,6 +250,7 @@ def test_a_job_restarted_on_a_mount_that_stayed_up_is_picked_up_again(ds: Datase
         div = cache.stats()["divergence"]
         assert div["state"] == "synced" and div["divergences"] == 1 and div["resyncs"] == 1, div
         assert n + 60 < div["front"] < n + 150
+
         def served() -> int:  # reads answered from a tier or staging
             t = cache.stats()["tiers"]
             return t["ram"]["hits"] + t["staging"]["hits"]

@@ -589,7 +589,7 @@ def test_a_resync_keeps_the_front_of_a_rank_that_still_follows_the_plan() -> Non
     for q in order:
         got.append(tr.observe(int(ids[q]), 2.0, 64))
         states.append(tr.state)
-    assert tr.resyncs >= 1 and tr.state == SYNCED and tr.divergences == tr.resyncs == 1
+    assert tr.state == SYNCED and tr.divergences == tr.resyncs == 1
     back = states.index(SYNCED, states.index(DIVERGED))
     wrong = [(q, g) for q, g in zip(order[back:], got[back:]) if g != q]
     assert len(wrong) <= 5, wrong
@@ -611,5 +611,6 @@ def test_reads_back_at_the_fronts_end_a_divergence_and_keep_them() -> None:
     before = list(tr.fronts)
     got = [tr.observe(int(ids[q]), 2.0, 40) for q in mine[300:340]]
     assert tr.state == SYNCED and tr.resyncs == 1
-    assert tr.fronts[2] == -1 and 0 <= tr.trail == min(tr.fronts[:2]) and tr.fronts[:2] >= before[:2]
+    assert tr.fronts[2] == -1 and 0 <= tr.trail == min(tr.fronts[:2])
+    assert all(f >= b for f, b in zip(tr.fronts[:2], before[:2]))
     assert sum(g == q for g, q in zip(got, mine[300:340])) >= 30
