@@ -536,7 +536,7 @@ class DatasetCache(KernelPushes):
         if i >= max(self._resync_fronts) - tr.window:
             self._resync_fronts = []
             return False
-        return i < self._resync_fronts[tr.rank_of[i] if tr.rank_of is not None else 0] - tr.window
+        return i < self._resync_fronts[tr.rank_at(i)] - tr.window
 
     def _note_read_ahead(self, q: int) -> None:
         """Access *q*, past the head, was read from the backend by its reader: the head passes it

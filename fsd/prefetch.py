@@ -162,6 +162,11 @@ class ProgressTracker:
         """How far past the front the reader can be without a read reaching us."""
         return self.window + (self.beacon_every or 0)
 
+    @property
+    def near(self) -> int:
+        """How far from its rank's front a read still counts as near it (and a resync's tolerance)."""
+        return 2 * self.window + (self.beacon_every or 0)
+
     def est_pos(self, now: float) -> float:
         """Extrapolated position of the leading reader (entries consumed)."""
         base = max(self.front, 0)
@@ -169,14 +174,15 @@ class ProgressTracker:
             return float(base)
         return min(base + self.rate * max(0.0, now - self.t_front), float(base + self.slack))
 
-    def _rank(self, q: int) -> int:
+    def rank_at(self, q: int) -> int:
+        """The rank of access *q* (dense id; 0 without ranks)."""
         return int(self.rank_of[q]) if self.rank_of is not None else 0
 
     def slowest_with(self, q: int) -> int:
         """The least of *q* and the other observed ranks' fronts: what a reader at *q* says about who
         may still read what lies before it. A rank not seen yet holds nothing back, as for ``trail``:
         a plan may name a rank that never reads."""
-        r = self._rank(q)
+        r = self.rank_at(q)
         return min([q, *(f for i, f in enumerate(self.fronts) if i != r and f >= 0)])
 
     def _match(self, fid: int, max_jump: int, unseen: bool = True) -> int:
@@ -198,12 +204,12 @@ class ProgressTracker:
         lo = 0 if min(self.fronts) < 0 else max(0, self.trail - w2)
         k = int(np.searchsorted(p, lo, side="left"))
         limit = max(self.front, 0) + max_jump
-        near = w2 + (self.beacon_every or 0)
+        near = self.near
         cands = []
         for q in p[k : k + 64].tolist():
             if q > limit:
                 break
-            fr = self.fronts[self._rank(q)]
+            fr = self.fronts[self.rank_at(q)]
             if fr < 0:
                 if unseen:
                     cands.append((1, 0, q))
@@ -239,7 +245,7 @@ class ProgressTracker:
         return None
 
     def _advance(self, q: int, now: float) -> None:
-        r = self._rank(q)
+        r = self.rank_at(q)
         # a rank's front is the median of its last 5 matches (so it trails the newest match by two): on a small dataset a read can be
         # ambiguous (attributed to another rank's later access); lone outliers must not move it
         h = self._hist[r]
@@ -278,8 +284,8 @@ class ProgressTracker:
         q = self._match(fid, max_jump, unseen=False)
         self._div_reads.append((fid, q != NEVER))
         if q != NEVER:
-            fr = self.fronts[self._rank(q)]
-            if q <= fr + 2 * self.window + (self.beacon_every or 0):  # near its front: followed
+            fr = self.fronts[self.rank_at(q)]
+            if q <= fr + self.near:  # near its front: followed
                 self._advance(q, now)
             self._explained += 1
             if self._explained >= RESYNC_MATCHES:
@@ -291,7 +297,7 @@ class ProgressTracker:
             self._unexplained = fid
         if self._unexplained is None or len(self._div_reads) < RESYNC_MATCHES:
             return None
-        tol = 2 * self.window + (self.beacon_every or 0)
+        tol = self.near
         anchors = self.index.positions(self._unexplained)[:MAX_ANCHORS]
         near: list[np.ndarray] = []  # per recent read: its access near each anchor, or -1
         fits = np.zeros(len(anchors), dtype=np.int64)
@@ -314,7 +320,7 @@ class ProgressTracker:
         for acc in near:
             a = int(acc[j])
             if a >= 0:
-                r = self._rank(a)
+                r = self.rank_at(a)
                 last[r] = max(last.get(r, a), a)
         for r, a in last.items():
             self.fronts[r] = a
@@ -330,9 +336,6 @@ class ProgressTracker:
         self.state = SYNCED
         self.resyncs += 1
         self.recent.clear()
-        self._div_reads.clear()
-        self._unexplained = None
-        self._explained = 0
         self.front = max(self.fronts)
         self.trail = min(f for f in self.fronts if f >= 0)  # a rank not seen yet holds nothing back
         self.t_front = now
