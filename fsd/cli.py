@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import FsdError
+from fsd.errors import FsdError
 
 log = logging.getLogger("fsd")
 
@@ -84,7 +84,7 @@ def _setup_logging(verbose: bool, log_file: Path | None) -> None:
 
 def _make_ops(args: argparse.Namespace, root_fd: int, mountpoint: Path) -> Any:
     if args.data is not None:
-        from .datafs import DataOperations
+        from fsd.data.operations import DataOperations
 
         if args.ssd_cache is not None and args.ssd_size <= 0:
             raise FsdError("--ssd-cache needs --ssd-size")
@@ -98,8 +98,8 @@ def _make_ops(args: argparse.Namespace, root_fd: int, mountpoint: Path) -> Any:
             revalidate_interval=args.revalidate_interval,
             mountpoint=mountpoint,
         )
-    from .ckptfs import CheckpointOperations
-    from .control import ControlDir
+    from fsd.ckpt.operations import CheckpointOperations
+    from fsd.control import ControlDir
 
     if not args.devices:
         raise FsdError("--checkpoints needs --devices D1,D2,...")
@@ -117,7 +117,7 @@ def _make_ops(args: argparse.Namespace, root_fd: int, mountpoint: Path) -> Any:
 
 
 def _mount(args: argparse.Namespace, ready: Callable[[], None] | None) -> None:
-    from . import mount
+    from fsd import mount
 
     source: Path = args.data if args.data is not None else args.checkpoints
     if not source.is_dir():
@@ -179,7 +179,7 @@ def _daemonize(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .control import read_status
+    from fsd.control import read_status
 
     def read() -> dict[str, Any]:
         try:
@@ -228,13 +228,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         _setup_logging(args.verbose, None)
         if args.cmd == "unmount":
-            from .mount import unmount
+            from fsd.mount import unmount
 
             unmount(args.path, lazy=args.lazy, timeout=args.timeout)
             return 0
         if args.cmd == "status":
             return _status(args)
-        from . import config
+        from fsd import config
 
         if args.cmd == "up":
             return config.up(args.config)

@@ -27,7 +27,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from .errors import FsdError
+from fsd.errors import FsdError
 
 _DATA_KEYS = {"source": "--data", "at": "--at", "ram_cache": "--ram-cache", "ssd_cache": "--ssd-cache",
               "ssd_size": "--ssd-size", "fetch_threads": "--fetch-threads", "attr_timeout": "--attr-timeout",
@@ -102,7 +102,7 @@ def up(path: Path) -> int:
 
 def down(path: Path) -> int:
     """Unmount every section's mountpoint (missing mounts are reported, not fatal)."""
-    from .mount import fsd_mount_at, unmount
+    from fsd.mount import fsd_mount_at, unmount
 
     code = 0
     for name, section in load(path).items():

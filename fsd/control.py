@@ -35,8 +35,8 @@ from typing import Any
 import pyfuse3
 import trio
 
-from . import __version__
-from .errors import ControlError
+from fsd import __version__
+from fsd.errors import ControlError
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 import pyfuse3
 import trio
 
-from .control import read_status
-from .errors import FsdError
+from fsd.control import read_status
+from fsd.errors import FsdError
 
 log = logging.getLogger(__name__)
 

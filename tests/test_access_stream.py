@@ -13,14 +13,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import LenDataset
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler, RandomSampler
 
-from conftest import LenDataset
-from fsd.access_stream import (BEACON_LEVEL_MAX, NodeStream, beacon_levels, build_node_stream, future_counts,
-                               id_dtype, interleave_epoch, next_use, rank_dtype)
-from fsd.plan import Plan, PlanError, parse_plan
+from fsd.plan.access_stream import (
+    BEACON_LEVEL_MAX,
+    NodeStream,
+    beacon_levels,
+    build_node_stream,
+    future_counts,
+    id_dtype,
+    interleave_epoch,
+    next_use,
+    rank_dtype,
+)
+from fsd.plan.document import Plan, PlanError, parse_plan
 
 REPO = Path(__file__).resolve().parents[1]
 

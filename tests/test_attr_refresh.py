@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from fsd.attr_refresh import AttrRefresher
+from fsd.data.attr_refresh import AttrRefresher
 
 
 def _tree(root: Path, dirs: int, files: int) -> None:

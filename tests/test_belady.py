@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsd.belady import NEVER, BeladyIndex, FileIndex, next_use, optimal_hit_rate
+from fsd.plan.belady import NEVER, BeladyIndex, FileIndex, next_use, optimal_hit_rate
 
 
 def naive_next_use(ids: list[int]) -> list[int]:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import write_until_error
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]

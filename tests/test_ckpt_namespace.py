@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import trio
-
 from conftest import device_dirs
-from fsd import manifest as mf
-from fsd.ckpt_namespace import Namespace, Node
-from fsd.manifest import ROOT_ID
+
+from fsd.ckpt import manifest as mf
+from fsd.ckpt.manifest import ROOT_ID
+from fsd.ckpt.namespace import Namespace, Node
 
 KiB = 1 << 10
 UID, GID = os.getuid(), os.getgid()

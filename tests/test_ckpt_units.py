@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 import trio
+from conftest import device_dirs
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import device_dirs
-from fsd import manifest as mf
-from fsd.manifest import Manifest, ManifestError
-from fsd.recovery import recover
-from fsd.striping import Layout
-from fsd.writeback import FileState, WriteBack
+from fsd.ckpt import manifest as mf
+from fsd.ckpt.manifest import Manifest, ManifestError
+from fsd.ckpt.recovery import recover
+from fsd.ckpt.striping import Layout
+from fsd.ckpt.writeback import FileState, WriteBack
 
 MiB = 1 << 20
 
@@ -131,7 +131,7 @@ def test_writeback_random_writes_truncates_match_a_model(tmp_path: Path) -> None
 def test_backpressure_bounds_memory_and_other_tasks_keep_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from fsd import writeback
+    from fsd.ckpt import writeback
 
     devs = device_dirs(tmp_path, 2)
     real = os.pwritev
@@ -175,7 +175,7 @@ def test_backpressure_bounds_memory_and_other_tasks_keep_running(tmp_path: Path,
 def test_device_error_reaches_the_writer_and_status_names_the_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    from fsd import writeback
+    from fsd.ckpt import writeback
 
     devs = device_dirs(tmp_path, 2)
     real = os.pwritev
@@ -218,7 +218,7 @@ def test_device_error_reaches_the_writer_and_status_names_the_device(tmp_path: P
 # -- recovery ------------------------------------------------------------------------------
 def test_recovery_resolves_replicas_renames_and_unfinished_files(tmp_path: Path) -> None:
     devs = device_dirs(tmp_path, 2)
-    ids = [__import__("fsd.recovery", fromlist=["x"]).device_identity(d) for d in devs]
+    ids = [__import__("fsd.ckpt.recovery", fromlist=["x"]).device_identity(d) for d in devs]
 
     def put(m: Manifest, on: list[int]) -> None:
         for i in on:

@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 import os
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import wait_for
-from fsd.access_stream import NodeStream
-from fsd.backend import Backend
-from fsd.belady import NEVER, optimal_hit_rate
-from fsd.dataset_cache import DatasetCache
-from fsd.memory import DropWatch
-from fsd.prefetch import Task
-from fsd.tiers import SsdEntry, SsdTier
+
+from fsd.data.backend import Backend
+from fsd.data.cache import DatasetCache
+from fsd.data.memory import DropWatch
+from fsd.data.prefetch import Task
+from fsd.data.tiers import SsdEntry, SsdTier
+from fsd.plan.access_stream import NodeStream
+from fsd.plan.belady import NEVER, optimal_hit_rate
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fsd.memory import DropWatch, LowWater, cached_pages, page_cache_room
+from fsd.data.memory import DropWatch, LowWater, cached_pages, page_cache_room
 
 
 def test_cached_pages_sees_a_file_enter_and_leave_the_page_cache(tmp_path: Path) -> None:

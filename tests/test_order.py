@@ -9,9 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from fsd.order import (IMG_EXTENSIONS, OrderError, file_ids, find_classes, imagefolder_files, list_files,
-                       open_beneath, sorted_files)
-from fsd.plan import Plan, PlanError
+from fsd.plan.document import Plan, PlanError
+from fsd.plan.order import (
+    IMG_EXTENSIONS,
+    OrderError,
+    file_ids,
+    find_classes,
+    imagefolder_files,
+    list_files,
+    open_beneath,
+    sorted_files,
+)
 
 # --- torchvision reference -------------------------------------------------------------------------
 # torchvision cannot be installed here. These two functions are a careful transcription of

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsd.page_cache import KernelBelief, PageCacheTier
+from fsd.data.page_cache import KernelBelief, PageCacheTier
 
 
 def test_room_is_made_by_dropping_the_furthest_used_first() -> None:

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fsd.placement import NONE, RAM, SSD, compute_placement, first_uses, preference_order, remaining_counts
+from fsd.plan.placement import NONE, RAM, SSD, compute_placement, first_uses, preference_order, remaining_counts
 
 
 def test_most_used_to_ram_then_ssd_then_none() -> None:

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import fsd.plan
-from fsd.plan import MAX_PLAN_BYTES, VALID_KEYS, Plan, PlanError, parse_plan, window_entries
+import fsd.plan.document
+from fsd.plan.document import MAX_PLAN_BYTES, VALID_KEYS, Plan, PlanError, parse_plan, window_entries
 
 BASE: dict[str, Any] = {"seed": 7, "epochs": 90, "sampler": "distributed", "num_replicas": 16, "ranks": [0, 1, 2, 3],
                         "batch_size": 256, "num_workers": 8}
@@ -142,7 +142,7 @@ def test_unexpected_internal_error_still_surfaces_as_plan_error(monkeypatch: pyt
     def boom(data: bytes) -> Plan:
         raise KeyError("x")
 
-    monkeypatch.setattr(fsd.plan, "_parse", boom)
+    monkeypatch.setattr(fsd.plan.document, "_parse", boom)
     with pytest.raises(PlanError, match="could not be parsed"):
         parse_plan(b"{}")
     assert "unexpected error" in caplog.text
@@ -157,7 +157,7 @@ def _parse_total(data: bytes) -> Plan | None:
     unexpected exception type fails here instead of being papered over.
     """
     try:
-        p = fsd.plan._parse(data)
+        p = fsd.plan.document._parse(data)
     except PlanError as e:
         assert str(e).startswith("plan: ")
         str(e).encode("utf-8")

@@ -11,10 +11,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsd.access_stream import NodeStream, interleave_epoch
-from fsd.belady import FileIndex
-from fsd.dataset_cache import DatasetCache
-from fsd.prefetch import DIV_THRESHOLD, DIVERGED, RESYNC_MATCHES, SYNCED, LeadControl, Prefetcher, ProgressTracker, Task
+from fsd.data.cache import DatasetCache
+from fsd.data.prefetch import (
+    DIV_THRESHOLD,
+    DIVERGED,
+    RESYNC_MATCHES,
+    SYNCED,
+    LeadControl,
+    Prefetcher,
+    ProgressTracker,
+    Task,
+)
+from fsd.plan.access_stream import NodeStream, interleave_epoch
+from fsd.plan.belady import FileIndex
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -459,7 +468,7 @@ def test_pushes_stay_within_the_page_cache_room(tmp_path: Path) -> None:
 
 
 def test_page_cache_room_reads_cgroup_v1_and_v2(tmp_path: Path) -> None:
-    from fsd.memory import cgroup_room
+    from fsd.data.memory import cgroup_room
 
     v1 = tmp_path / "sys" / "memory" / "job"
     v1.mkdir(parents=True)

@@ -9,15 +9,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import LenDataset
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
-from conftest import LenDataset
-from fsd.plan import Plan, PlanError
-from fsd.sampler import (RandomStream, distributed_epoch, distributed_sizes, epoch_indices, iter_epochs,
-                         load_indices)
-
+from fsd.plan.document import Plan, PlanError
+from fsd.plan.sampler import (
+    RandomStream,
+    distributed_epoch,
+    distributed_sizes,
+    epoch_indices,
+    iter_epochs,
+    load_indices,
+)
 
 
 def _dist_plan(R: int, seed: int, shuffle: bool, drop_last: bool, epochs: int = 100) -> Plan:

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import FSD, make_tree
-from fsd.memory import cached_pages, drop_cached
+
+from fsd.data.memory import cached_pages, drop_cached
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(120)]
 

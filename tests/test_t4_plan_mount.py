@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import make_tree, wait_for
 from torch.utils.data import DistributedSampler
 
-from conftest import make_tree, wait_for
-from fsd.memory import drop_cached
+from fsd.data.memory import drop_cached
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(120)]
 

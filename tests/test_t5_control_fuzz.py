@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import HangGuard, Mount, make_tree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import Mount, make_tree
 from fsd.control import INCOMPLETE_TIMEOUT, MAX_CONTROL_BYTES, SINGLE_WRITE_BYTES
-from fsd.plan import PlanError, parse_plan
-from conftest import HangGuard
+from fsd.plan.document import PlanError, parse_plan
 
 pytestmark = [pytest.mark.mount]
 

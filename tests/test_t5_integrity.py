@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import HangGuard
-from fsd.memory import drop_cached
-from fsd.revalidate import Revalidator, dir_fd_stat
+
+from fsd.data.memory import drop_cached
+from fsd.data.revalidate import Revalidator, dir_fd_stat
 
 # ---------------------------------------------------------------- part 1: units
 

@@ -12,7 +12,6 @@ import zlib
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 LOAD_TEST = REPO / "tools" / "load-test"

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import HangGuard, make_tree
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(120),

@@ -9,8 +9,8 @@ from pathlib import Path
 import pyfuse3
 import pytest
 
-from fsd.memory import cached_pages
-from fsd.tiers import RamTier, SsdTier, read_buffer
+from fsd.data.memory import cached_pages
+from fsd.data.tiers import RamTier, SsdTier, read_buffer
 
 
 def test_ram_tier_bound_is_hard() -> None:
@@ -63,7 +63,7 @@ def test_ssd_tier_disabled_without_dir() -> None:
 def test_ssd_tier_reads_direct_or_buffered_byte_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       direct: bool) -> None:
     """O_DIRECT reads (aligned buffer, unaligned ranges) and the buffered fallback return the same bytes."""
-    import fsd.tiers as tiers
+    import fsd.data.tiers as tiers
 
     monkeypatch.setattr(tiers, "_direct_ok", direct)
     t = SsdTier(tmp_path / "ssd", 1 << 20)
@@ -82,7 +82,7 @@ def test_ssd_tier_reads_direct_or_buffered_byte_exact(tmp_path: Path, monkeypatc
 
 
 def test_ssd_tier_falls_back_where_o_direct_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import fsd.tiers as tiers
+    import fsd.data.tiers as tiers
 
     def refuse(path: str, off: int, n: int) -> bytes:
         raise OSError(22, "Invalid argument")  # EINVAL: what open(O_DIRECT) says on e.g. old tmpfs

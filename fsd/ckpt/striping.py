@@ -9,8 +9,8 @@ Pure arithmetic: no I/O, unit-testable.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 ALIGN = 4096
 """O_DIRECT alignment for offsets, lengths and buffers."""

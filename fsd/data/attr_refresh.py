@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .threads import name_os_thread
+from fsd.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 

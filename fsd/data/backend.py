@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from .memory import drop_page_cache
+from fsd.data.memory import drop_page_cache
 
 
 class Backend:

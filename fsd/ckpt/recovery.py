@@ -27,8 +27,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsd import manifest as mf
-from fsd.manifest import ROOT_ID, STATE_COMPLETE, STATE_WRITING, Manifest
+from fsd.ckpt import manifest as mf
+from fsd.ckpt.manifest import ROOT_ID, STATE_COMPLETE, STATE_WRITING, Manifest
 
 log = logging.getLogger(__name__)
 

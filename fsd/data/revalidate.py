@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-from .threads import name_os_thread
+from fsd.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 

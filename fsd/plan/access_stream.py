@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fsd.belady import next_use as belady_next_use
-from fsd.plan import Plan, PlanError, window_entries
-from fsd.sampler import distributed_epoch, distributed_sizes, iter_epochs, load_indices
+from fsd.plan.belady import next_use as belady_next_use
+from fsd.plan.document import Plan, PlanError, window_entries
+from fsd.plan.sampler import distributed_epoch, distributed_sizes, iter_epochs, load_indices
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,14 @@ from typing import Any
 import pyfuse3
 import trio
 
-from .attr_refresh import AttrRefresher
-from .control import CONTROL_INODE, ControlDir, Counters
-from .errors import fuse_errors
-from .inodes import InodeTable
-from .memory import PAGE, cached_pages, drop_cached
-from .planner import Planner
-from .revalidate import Revalidator, dir_fd_stat
-from .tiers import no_direct, read_buffer
+from fsd.control import CONTROL_INODE, ControlDir, Counters
+from fsd.data.attr_refresh import AttrRefresher
+from fsd.data.memory import PAGE, cached_pages, drop_cached
+from fsd.data.planner import Planner
+from fsd.data.revalidate import Revalidator, dir_fd_stat
+from fsd.data.tiers import no_direct, read_buffer
+from fsd.errors import fuse_errors
+from fsd.inodes import InodeTable
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from fsd.plan import Plan, PlanError
+from fsd.plan.document import Plan, PlanError
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def load_indices(root_fd: int, plan: Plan, n: int) -> list[np.ndarray]:
     of integers (rows may differ in length). Row ``e`` is epoch ``e``; there must be at
     least ``plan.epochs`` rows and every index must lie in ``[0, n)``.
     """
-    from fsd.order import open_beneath  # local import: order imports plan too, keep layers simple
+    from fsd.plan.order import open_beneath  # local import: order imports plan too, keep layers simple
 
     if plan.indices_file is None:
         raise PlanError("plan: sampler \"indices\" needs 'indices_file'")

@@ -16,8 +16,8 @@ import json
 import logging
 import os
 import zlib
-from dataclasses import asdict, dataclass, field
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)

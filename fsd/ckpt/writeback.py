@@ -32,8 +32,8 @@ from pathlib import Path
 
 import trio
 
-from fsd.manifest import DATA_DIR, data_name
-from fsd.striping import ALIGN, Layout, align_up
+from fsd.ckpt.manifest import DATA_DIR, data_name
+from fsd.ckpt.striping import ALIGN, Layout, align_up
 from fsd.threads import name_os_thread
 
 log = logging.getLogger(__name__)

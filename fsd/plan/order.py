@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
-from fsd.plan import Plan, PlanError, check_relative_path
+from fsd.plan.document import Plan, PlanError, check_relative_path
 
 log = logging.getLogger(__name__)
 

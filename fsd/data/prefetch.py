@@ -83,8 +83,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fsd.access_stream import rank_values
-from fsd.belady import NEVER, FileIndex
+from fsd.plan.access_stream import rank_values
+from fsd.plan.belady import NEVER, FileIndex
 from fsd.threads import name_os_thread
 
 log = logging.getLogger(__name__)

@@ -65,14 +65,14 @@ from pathlib import Path
 
 import numpy as np
 
-from fsd.access_stream import NodeStream, beacon_levels
-from fsd.backend import Backend
-from fsd.belady import NEVER, BeladyIndex, FileIndex, next_use
-from fsd.kernel_push import KernelPushes
-from fsd.memory import page_cache_room
-from fsd.placement import RAM, SSD, compute_placement, first_uses, preference_order
-from fsd.prefetch import DIVERGED, SYNCED, LeadControl, Prefetcher, ProgressTracker, Task
-from fsd.tiers import RamTier, SsdTier
+from fsd.data.backend import Backend
+from fsd.data.kernel_push import KernelPushes
+from fsd.data.memory import page_cache_room
+from fsd.data.prefetch import DIVERGED, SYNCED, LeadControl, Prefetcher, ProgressTracker, Task
+from fsd.data.tiers import RamTier, SsdTier
+from fsd.plan.access_stream import NodeStream, beacon_levels
+from fsd.plan.belady import NEVER, BeladyIndex, FileIndex, next_use
+from fsd.plan.placement import RAM, SSD, compute_placement, first_uses, preference_order
 
 log = logging.getLogger(__name__)
 

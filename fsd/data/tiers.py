@@ -33,7 +33,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsd.memory import drop_page_cache
+from fsd.data.memory import drop_page_cache
 
 log = logging.getLogger(__name__)
 

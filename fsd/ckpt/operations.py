@@ -19,9 +19,9 @@ from typing import Any
 import pyfuse3
 import trio
 
-from fsd.ckpt_namespace import Namespace, Node
+from fsd.ckpt.manifest import ROOT_ID
+from fsd.ckpt.namespace import Namespace, Node
 from fsd.errors import fuse_errors
-from fsd.manifest import ROOT_ID
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .backend import Backend
-from .threads import name_os_thread
+from fsd.data.backend import Backend
+from fsd.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ class Planner:
         def load() -> None:
             name_os_thread()
             t0 = time.monotonic()
-            from . import access_stream, dataset_cache  # noqa: F401
+            import fsd.data.cache  # noqa: F401
+            import fsd.plan.access_stream  # noqa: F401
             log.debug("planning modules imported in %.2f s", time.monotonic() - t0)
 
         t = threading.Thread(target=load, name="fsd-preload", daemon=True)
@@ -89,10 +90,10 @@ class Planner:
 
     def apply(self, doc: bytes) -> None:
         """Parse and activate a control document (raises ValueError to refuse)."""
-        from .access_stream import build_node_stream
-        from .dataset_cache import DatasetCache
-        from .order import list_files
-        from .plan import parse_plan
+        from fsd.data.cache import DatasetCache
+        from fsd.plan.access_stream import build_node_stream
+        from fsd.plan.document import parse_plan
+        from fsd.plan.order import list_files
 
         plan = parse_plan(doc)
         t0 = time.perf_counter()

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from fsd.manifest import DATA_DIR, data_name
+from fsd.ckpt.manifest import DATA_DIR, data_name
 
 if TYPE_CHECKING:
-    from fsd.ckpt_namespace import Namespace, Node
+    from fsd.ckpt.namespace import Namespace, Node
 
 log = logging.getLogger(__name__)
 

@@ -88,14 +88,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fsd.belady import NEVER
-from fsd.memory import PAGE, DropWatch, LowWater
-from fsd.page_cache import KernelBelief
-from fsd.prefetch import SYNCED, LeadControl, Prefetcher, ProgressTracker, Task
-from fsd.tiers import RamTier, SsdEntry, SsdTier
+from fsd.data.memory import PAGE, DropWatch, LowWater
+from fsd.data.page_cache import KernelBelief
+from fsd.data.prefetch import SYNCED, LeadControl, Prefetcher, ProgressTracker, Task
+from fsd.data.tiers import RamTier, SsdEntry, SsdTier
+from fsd.plan.belady import NEVER
 
 if TYPE_CHECKING:
-    from fsd.dataset_cache import _Plan, _Staged
+    from fsd.data.cache import _Plan, _Staged
 
 log = logging.getLogger(__name__)
 

@@ -34,10 +34,10 @@ from typing import Any
 
 import trio
 
-from fsd.manifest import ROOT_ID, STATE_COMPLETE, STATE_WRITING, Manifest, MetaStore
-from fsd.recovery import recover
-from fsd.striping import Layout
-from fsd.writeback import FileState, WriteBack
+from fsd.ckpt.manifest import ROOT_ID, STATE_COMPLETE, STATE_WRITING, Manifest, MetaStore
+from fsd.ckpt.recovery import recover
+from fsd.ckpt.striping import Layout
+from fsd.ckpt.writeback import FileState, WriteBack
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Namespace:
         self._finished = trio.Event()
         self.drainer: Any = None
         if drain_fd is not None:
-            from fsd.drain import Drainer
+            from fsd.ckpt.drain import Drainer
 
             self.drainer = Drainer(self, drain_fd)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fsd.belady import BeladyIndex
+from fsd.plan.belady import BeladyIndex
 
 
 class PageCacheTier:

@@ -1,0 +1,1 @@
+"""The dataset mount: a read-only view served from clairvoyant tiers and the kernel page cache."""
