@@ -33,6 +33,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+import grpc.experimental
 import numpy as np
 import pybreaker
 
