@@ -8,8 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from fsd.cluster.config import (ClusterConfigError, check_node_ranks, expand_hostlist, load_cluster,
-                                parse_cluster, read_secret, resolve_node_ranks, split_address)
+from fsd.cluster.config import (
+    ClusterConfigError,
+    check_node_ranks,
+    expand_hostlist,
+    load_cluster,
+    parse_cluster,
+    read_secret,
+    resolve_node_ranks,
+    split_address,
+)
 
 
 @pytest.fixture
@@ -81,7 +89,8 @@ def test_cluster_table_and_up_section(tmp_path: Path, secret: Path) -> None:
     ('node = 0\nnodes = ["a:1"]\nsecret_file = "S"\nport = 7', "`port` applies only"),
     ('node = 0\nnodes = ["a:1", "b:1"]\nsecret_file = "S"\ncapacity = ["1G"]', "1 sizes for 2 nodes"),
     ('node = 0\nnodes = ["a:1"]\nsecret_file = "S"\ncapacity = "lots"', "not a size"),
-    ('node = 0\nnodes = ["a:1", "b:1"]\nsecret_file = "S"\nnode_ranks = [[0, 1], [1]]', "rank 1 is listed on nodes 0 and 1"),
+    ('node = 0\nnodes = ["a:1", "b:1"]\nsecret_file = "S"\nnode_ranks = [[0, 1], [1]]',
+     "rank 1 is listed on nodes 0 and 1"),
     ('node = 0\nnodes = ["a:1"]\nsecret_file = "S"\nmax_batch = 0', "`max_batch`"),
     ('node = 0\nnodes = ["a:1"]\nsecret_file = "S"\nlisten = "x"', "`listen`"),
     ('node = 0\nnodes = "a:1"\nsecret_file = "S"', "`nodes` must be"),

@@ -351,8 +351,6 @@ def load_cluster(path: Path | str, env: Mapping[str, str] | None = None) -> Clus
 def check_node_ranks(cfg: ClusterConfig, num_replicas: int, ranks: Sequence[int]) -> tuple[tuple[int, ...], ...]:
     """The job's node->ranks map for a plan, and a check that this node's plan ``ranks`` agree with it."""
     layout = resolve_node_ranks(num_replicas, cfg.size, cfg.node_ranks)
-    if cfg.node_ranks is not None and sum(map(len, layout)) != num_replicas:  # pragma: no cover - resolve checks
-        raise ClusterConfigError("node_ranks does not cover num_replicas")
     mine = layout[cfg.index]
     if tuple(sorted(ranks)) != mine:
         raise ClusterConfigError(f"this node (node {cfg.index}) runs ranks {sorted(ranks)} but the cluster layout "
