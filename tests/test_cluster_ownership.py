@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from fsd.cluster.compat import Plan
 from fsd.cluster.config import ClusterConfigError, resolve_node_ranks
 from fsd.cluster.ownership import ClusterPlan, compute_ownership, node_read_counts, plan_fingerprint
-from fsd.sampler import distributed_epoch
+from fsd.plan.sampler import distributed_epoch
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,15 +1,14 @@
 """The only place the cluster package imports the rest of fsd.
 
-The core modules are being reorganised into packages; keeping every such
-import here means a move touches one file.
+Keeping every such import here means a move of a core module touches one file.
 """
 
 from __future__ import annotations
 
 from fsd.cli import parse_size as _parse_size
 from fsd.errors import FsdError
-from fsd.plan import Plan, PlanError, parse_plan
-from fsd.sampler import distributed_epoch, distributed_sizes
+from fsd.plan.document import Plan, PlanError, parse_plan
+from fsd.plan.sampler import distributed_epoch, distributed_sizes
 
 
 def parse_size(text: str | int) -> int:
