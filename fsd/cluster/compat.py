@@ -1,0 +1,28 @@
+"""The only place the cluster package imports the rest of fsd.
+
+Keeping every such import here means a move of a core module touches one file.
+"""
+
+from __future__ import annotations
+
+from fsd.cli import parse_size as _parse_size
+from fsd.errors import FsdError
+from fsd.plan.document import Plan, PlanError, parse_plan
+from fsd.plan.sampler import distributed_epoch, distributed_sizes
+
+
+def parse_size(text: str | int) -> int:
+    """``'16G'``, ``'512M'``, ``4096`` -> bytes; ValueError on anything else."""
+    if isinstance(text, bool):
+        raise ValueError(f"not a size: {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"not a size: {text!r}")
+        return text
+    try:
+        return _parse_size(str(text))
+    except Exception:  # argparse.ArgumentTypeError
+        raise ValueError(f"not a size: {text!r} (use e.g. 512M, 16G)") from None
+
+
+__all__ = ["FsdError", "Plan", "PlanError", "distributed_epoch", "distributed_sizes", "parse_plan", "parse_size"]

@@ -1,0 +1,398 @@
+"""Cooperative placement: the owner node of every file, computed identically on every node.
+
+Every node derives the same assignment from the same inputs - the global plan, the
+node -> ranks layout, the dataset listing (names and sizes, in file-id order) and
+every node's tier capacity - with no run-time traffic:
+
+1. **What the cluster caches.** Files are ranked by how often the whole job reads them
+   over the remaining plan (most first; ties: the smaller file first, so that as many
+   distinct files as possible fit; then a fixed integer hash of the id, then the id).
+   The longest prefix of that ranking whose bytes fit the nodes' capacities together is
+   the *cached* set (a file larger than every node's capacity is never in it).
+2. **Who owns a cached file.** Its preferred owner is the node that reads it most (ties:
+   a per-file rotation of the node indices, from the same hash, so that ties spread
+   evenly instead of piling onto node 0). Each node takes its preferred files in ranking
+   order up to its share of the cached bytes (shares proportional to capacity, never
+   above it: ownership is balanced by bytes); the files left over try their next-most
+   reader, and what is still left is laid, in ranking order, into the nodes' remaining
+   shares (water filling). A file that fits nowhere drops out of the cached set.
+3. **Who owns the rest.** Every file not cached (also files nobody reads) still has one
+   owner - the only node that reads it from the PFS and serves it to the others from
+   its staging - chosen the same way, by most reads, with equal shares of those bytes.
+
+All arithmetic is on integers (no float rounding), sorts are stable with total keys, and
+nothing depends on the computing node, dict order or ``PYTHONHASHSEED``.
+Cost: one pass over the ``(nodes, files)`` count matrix per node plus one lexsort
+(see ``tools/bench-ownership`` for the figures at 1.3 M files x 64 nodes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .compat import Plan, distributed_epoch, distributed_sizes
+from .config import ClusterConfigError, node_of_rank
+
+log = logging.getLogger(__name__)
+
+FINGERPRINT_VERSION = b"fsd-cluster-plan-v1"
+MAX_STRADDLERS = 1 << 16
+"""Files re-laid one by one after a strict fill (at most about one per node boundary)."""
+_PLAN_KEYS = ("sampler", "seed", "epochs", "start_epoch", "num_replicas", "shuffle", "drop_last", "order",
+              "list_file")
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """The owner of every file id and whether the owner keeps it in its tiers."""
+
+    owner: np.ndarray
+    """Owner node per file id (int32, every entry in ``0..nodes-1``)."""
+    cached: np.ndarray
+    """Per file id: True when the owner keeps it in its tiers, False when it only streams it."""
+    nodes: int
+
+    def owner_of(self, file_id: int) -> int:
+        """The node that reads *file_id* from the PFS and serves it to the others."""
+        return int(self.owner[file_id])
+
+    def owned_by(self, node: int) -> np.ndarray:
+        """File ids owned by *node*, ascending."""
+        return np.flatnonzero(self.owner == node)
+
+    def summary(self, sizes: np.ndarray) -> list[dict[str, int]]:
+        """Per node: files and bytes owned, and of those cached (for status and logs)."""
+        sz = np.asarray(sizes, dtype=np.int64)
+        files = np.bincount(self.owner, minlength=self.nodes)
+        nbytes = np.bincount(self.owner, weights=sz, minlength=self.nodes)
+        cfiles = np.bincount(self.owner[self.cached], minlength=self.nodes)
+        cbytes = np.bincount(self.owner[self.cached], weights=sz[self.cached], minlength=self.nodes)
+        return [{"node": k, "files": int(files[k]), "bytes": int(nbytes[k]), "cached_files": int(cfiles[k]),
+                 "cached_bytes": int(cbytes[k])} for k in range(self.nodes)]
+
+
+# --------------------------------------------------------------------------- inputs from the plan
+
+
+def node_read_counts(plan: Plan, n_files: int, node_ranks: Sequence[Sequence[int]]) -> np.ndarray:
+    """How often each node reads each file over the plan's remaining epochs: ``(nodes, n_files)``.
+
+    The plan is the job's global plan (sampler ``distributed``): one permutation per epoch
+    serves every rank, exactly as ``DistributedSampler`` draws it (``fsd.sampler``).
+    uint16 while the counts fit, else uint32: 2 bytes x nodes x files (166 MB at 64 x 1.3 M).
+    """
+    if plan.sampler != "distributed":
+        raise ClusterConfigError(f"cluster mode needs the \"distributed\" sampler in the plan, "
+                                 f"not \"{plan.sampler}\"")
+    n_nodes = len(node_ranks)
+    rank_node = np.asarray(node_of_rank(node_ranks, plan.num_replicas), dtype=np.int64)
+    if (rank_node < 0).any():
+        raise ClusterConfigError("node_ranks leaves some ranks of the plan on no node")
+    ns, _ = distributed_sizes(n_files, plan.num_replicas, plan.drop_last)
+    n_e = plan.epochs - plan.start_epoch
+    per_epoch_max = -(-ns * plan.num_replicas // max(1, n_files)) if n_files else 0
+    dtype = np.uint16 if n_e * per_epoch_max < (1 << 16) else np.uint32
+    counts = np.zeros((n_nodes, n_files), dtype=dtype)
+    if n_files == 0 or ns == 0:
+        return counts
+    ranks = np.arange(plan.num_replicas)
+    pos = ranks[:, None] + np.arange(ns, dtype=np.int64)[None, :] * plan.num_replicas  # sampler positions
+    first = (pos < n_files).ravel()  # positions past n are torch's padding: repeats of earlier ones
+    nodes_flat = np.repeat(rank_node, ns)
+    for e in plan.remaining_epochs:
+        idx = distributed_epoch(n_files, e, ranks, num_replicas=plan.num_replicas, seed=plan.seed,
+                                shuffle=plan.shuffle, drop_last=plan.drop_last).ravel()
+        counts[nodes_flat[first], idx[first]] += 1  # a permutation: no (node, file) pair twice
+        if not first.all():
+            np.add.at(counts, (nodes_flat[~first], idx[~first]), 1)
+    return counts
+
+
+# --------------------------------------------------------------------------- the assignment
+
+
+def _mix(ids: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser of the ids: a fixed, platform-independent integer hash (uint64)."""
+    z = ids.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _shares(total: int, weights: Sequence[int]) -> np.ndarray:
+    """Integer split of *total* proportional to *weights* (largest remainder, ties by index)."""
+    w = [int(x) for x in weights]
+    sw = sum(w)
+    if sw == 0:
+        w = [1] * len(w)
+        sw = len(w)
+    base = [total * x // sw for x in w]
+    rem = [total * x % sw for x in w]
+    left = total - sum(base)
+    for k in sorted(range(len(w)), key=lambda k: (-rem[k], k))[:left]:
+        base[k] += 1
+    return np.array(base, dtype=np.int64)
+
+
+def _top_reader(counts: np.ndarray, rot: np.ndarray) -> np.ndarray:
+    """Per file: the node reading it most (ties: smallest rotation rank), -1 if nobody reads it.
+
+    One pass per node over a contiguous row of *counts*."""
+    n_nodes, n = counts.shape
+    best = np.full(n, -1, dtype=np.int64)
+    best_c = np.zeros(n, dtype=counts.dtype)
+    best_r = np.full(n, n_nodes, dtype=np.int64)
+    r = rot.copy()
+    for k in range(n_nodes):
+        c = counts[k]
+        better = (c > best_c) | ((c == best_c) & (c > 0) & (r < best_r))
+        best[better] = k
+        best_c[better] = c[better]
+        best_r[better] = r[better]
+        r += 1
+        r[r == n_nodes] = 0
+    return best
+
+
+PREF_DEPTH = 8
+"""Preferences tried per file after its first choice is full (deeper goes to water filling)."""
+PREF_CHUNK = 1 << 16
+
+
+def _preferences(counts: np.ndarray, files: np.ndarray, rot: np.ndarray) -> np.ndarray:
+    """``(len(files), min(nodes, PREF_DEPTH))``: nodes in preference order per file, -1 where the
+    node reads nothing. Chunked so that the temporary stays ``PREF_CHUNK x nodes``."""
+    n_nodes = counts.shape[0]
+    depth = min(n_nodes, PREF_DEPTH)
+    out = np.full((len(files), depth), -1, dtype=np.int64)
+    for a in range(0, len(files), PREF_CHUNK):
+        f = files[a:a + PREF_CHUNK]
+        c = counts[:, f].T.astype(np.int64)
+        r = (rot[a:a + PREF_CHUNK, None] + np.arange(n_nodes)[None, :]) % n_nodes
+        key = c * n_nodes + (n_nodes - 1 - r)  # unique per row: count first, rotation breaks ties
+        order = np.argsort(-key, axis=1, kind="stable")[:, :depth]
+        out[a:a + PREF_CHUNK] = np.where(np.take_along_axis(c, order, axis=1) > 0, order, -1)
+    return out
+
+
+def _take_preferred(files: np.ndarray, node: np.ndarray, sizes: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """Files (in ranking order) go to *node* while that node's *room* lasts; returns a mask of the taken.
+
+    Each node takes a prefix, in ranking order, of the files preferring it. *room* is updated.
+    """
+    take = np.zeros(len(files), dtype=bool)
+    ok = node >= 0
+    if not ok.any():
+        return take
+    sel = np.flatnonzero(ok)
+    grp = np.argsort(node[sel], kind="stable")  # ranking order kept inside each node's group
+    g_idx = sel[grp]
+    g_node = node[g_idx]
+    g_size = sizes[files[g_idx]]
+    csum = np.cumsum(g_size)
+    starts = np.searchsorted(g_node, g_node, side="left")
+    before = np.where(starts > 0, csum[starts - 1], 0)
+    within = csum - before  # bytes of this node's group up to and including this file
+    fits = within <= room[g_node]
+    take[g_idx[fits]] = True
+    room -= np.bincount(g_node[fits], weights=g_size[fits], minlength=len(room)).astype(np.int64)
+    return take
+
+
+def _water_fill(files: np.ndarray, sizes: np.ndarray, room: np.ndarray, strict: bool) -> np.ndarray:
+    """Lay *files* (ranking order) end to end over the nodes' *room*; owner per file (-1: did not fit).
+
+    ``strict``: a file must fit inside one node's room; the few that straddle a boundary then
+    go, in ranking order, to the node with the most room left (ties: the lower index) if they
+    fit there. Otherwise a file goes to the node where it starts and the last node takes any
+    excess. *room* is updated.
+    """
+    out = np.full(len(files), -1, dtype=np.int64)
+    if not len(files):
+        return out
+    if not strict and room.sum() <= 0:  # nothing left to balance against: deal them out in turn
+        out[:] = np.arange(len(files)) % len(room)
+        return out
+    sz = sizes[files]
+    end = np.cumsum(sz)
+    start = end - sz
+    bounds = np.cumsum(room)
+    node = np.searchsorted(bounds, start, side="right")
+    if strict:
+        fit = node < len(room)
+        fit[fit] &= end[fit] <= bounds[node[fit]]
+    else:
+        fit = np.ones(len(files), dtype=bool)
+        node = np.minimum(node, len(room) - 1)
+    out[fit] = node[fit]
+    room -= np.bincount(node[fit], weights=sz[fit], minlength=len(room)).astype(np.int64)
+    for i in np.flatnonzero(~fit)[:MAX_STRADDLERS]:
+        k = int(np.argmax(room))
+        if sz[i] <= room[k]:
+            out[i] = k
+            room[k] -= sz[i]
+    return out
+
+
+def _assign(files: np.ndarray, counts: np.ndarray, sizes: np.ndarray, rot: np.ndarray, top: np.ndarray,
+            share: np.ndarray, limit: np.ndarray | None) -> np.ndarray:
+    """Owners of *files* (ranking order): preferred readers within *share*, then water filling.
+
+    *limit* (hard capacity, >= share) bounds the strict fill; None means ownership without
+    a capacity (uncached files): every file gets an owner. Returns -1 for files that fit nowhere.
+    """
+    owner = np.full(len(files), -1, dtype=np.int64)
+    room = share.copy()
+    first = top[files]
+    taken = _take_preferred(files, first, sizes, room)
+    owner[taken] = first[taken]
+    left = np.flatnonzero(~taken & (first >= 0))
+    if len(left):
+        prefs = _preferences(counts, files[left], rot[files[left]])
+        for j in range(1, prefs.shape[1]):
+            node = np.where(owner[left] < 0, prefs[:, j], -1)
+            if not (node >= 0).any():
+                break
+            t = _take_preferred(files[left], node, sizes, room)
+            owner[left[t]] = node[t]
+    rest = np.flatnonzero(owner < 0)
+    if len(rest):
+        got = _water_fill(files[rest], sizes, room, strict=limit is not None)
+        owner[rest] = got
+        if limit is not None:
+            used = share - room
+            slack = int(sizes[files].max())
+            # what straddled a boundary: one file's slack over the fair share, then up to the capacity
+            for bound in (np.minimum(limit, share + slack), limit):
+                rest = np.flatnonzero(owner < 0)
+                if not len(rest):
+                    break
+                room = np.maximum(bound - used, 0)
+                got = _water_fill(files[rest], sizes, room, strict=True)
+                owner[rest] = got
+                used = bound - room
+    return owner
+
+
+def _promote(owner: np.ndarray, ranked: np.ndarray, placed: np.ndarray, sizes: np.ndarray) -> None:
+    """Keep "most used first" after packing: each candidate that fit nowhere (in ranking order)
+    takes the slot of the last-ranked cached file at least its size that ranks after it, which
+    drops out instead. Few files (those that straddled a boundary); *owner*/*placed* updated."""
+    pos = np.flatnonzero(placed)
+    for i in np.flatnonzero(~placed):
+        later = pos[pos > i]
+        if not len(later):
+            break
+        big = later[sizes[ranked[later]] >= sizes[ranked[i]]]
+        if not len(big):
+            continue
+        j = int(big[-1])
+        owner[ranked[i]] = owner[ranked[j]]
+        owner[ranked[j]] = -1
+        placed[i], placed[j] = True, False
+        pos = np.flatnonzero(placed)
+
+
+def compute_ownership(sizes: np.ndarray, counts: np.ndarray, capacities: Sequence[int]) -> Ownership:
+    """The owner map (see the module docstring).
+
+    *sizes*: bytes per file id; *counts*: ``(nodes, files)`` reads per node and file over
+    the remaining plan (:func:`node_read_counts`); *capacities*: tier bytes per node.
+    """
+    sz = np.asarray(sizes, dtype=np.int64)
+    n = len(sz)
+    counts = np.asarray(counts)
+    n_nodes = len(capacities)
+    if counts.shape != (n_nodes, n):
+        raise ValueError(f"counts must have shape (nodes={n_nodes}, files={n}), got {counts.shape}")
+    if n_nodes < 1:
+        raise ValueError("at least one node")
+    if (sz < 0).any():
+        raise ValueError("negative file size")
+    cap = np.array([int(c) for c in capacities], dtype=np.int64)
+    if (cap < 0).any():
+        raise ValueError("negative capacity")
+    ids = np.arange(n, dtype=np.int64)
+    h = _mix(ids)
+    rot = (h % np.uint64(n_nodes)).astype(np.int64)
+    total = counts.sum(axis=0, dtype=np.int64)
+    top = _top_reader(counts, rot)
+    # rank: most read first, then smaller, then the hash, then the id (lexsort: last key is primary)
+    rank = np.lexsort((ids, h, sz, -total))
+    read = total[rank] > 0
+    fits_somewhere = sz[rank] <= (cap.max() if n_nodes else 0)
+    cand = rank[read & fits_somewhere]
+    cut = int(np.searchsorted(np.cumsum(sz[cand]), int(cap.sum()), side="right"))
+    cached_files = cand[:cut]
+    owner = np.full(n, -1, dtype=np.int64)
+    share = np.minimum(_shares(int(sz[cached_files].sum()), cap), cap)
+    owner[cached_files] = _assign(cached_files, counts, sz, rot, top, share, limit=cap)
+    placed = owner[cached_files] >= 0
+    if not placed.all():
+        _promote(owner, cached_files, placed, sz)
+    cached = np.zeros(n, dtype=bool)
+    cached[cached_files[placed]] = True
+    rest = rank[owner[rank] < 0]  # ranking order
+    share = _shares(int(sz[rest].sum()), [1] * n_nodes)
+    owner[rest] = _assign(rest, counts, sz, rot, top, share, limit=None)
+    assert (owner >= 0).all()
+    return Ownership(owner=owner.astype(np.int32), cached=cached, nodes=n_nodes)
+
+
+# --------------------------------------------------------------------------- the fingerprint
+
+
+def plan_fingerprint(plan: Plan, node_ranks: Sequence[Sequence[int]], names: Sequence[str],
+                     sizes: np.ndarray, capacities: Sequence[int] | None) -> str:
+    """A stable hex digest of everything the owner map depends on.
+
+    Covers the global plan (not this node's own ``ranks``, nor the DataLoader sizing that
+    does not change which node reads what), the node -> ranks layout, the dataset listing
+    (names in file-id order and sizes) and the capacities. Peers compare it before sharing:
+    equal digests mean equal owner maps and equal file ids for equal names.
+    """
+    d = plan.to_dict()
+    head: dict[str, Any] = {k: d.get(k) for k in _PLAN_KEYS}
+    head["node_ranks"] = [sorted(int(r) for r in rs) for rs in node_ranks]
+    head["capacities"] = None if capacities is None else [int(c) for c in capacities]
+    head["files"] = len(names)
+    h = hashlib.sha256(FINGERPRINT_VERSION + b"\0")
+    h.update(json.dumps(head, sort_keys=True, separators=(",", ":")).encode())
+    h.update(b"\0")
+    h.update("\0".join(names).encode("utf-8", "surrogateescape"))
+    h.update(b"\0")
+    h.update(np.ascontiguousarray(sizes, dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """The inputs every node shares, and what it derives from them."""
+
+    plan: Plan
+    node_ranks: tuple[tuple[int, ...], ...]
+    names: tuple[str, ...]
+    sizes: np.ndarray
+    capacities: tuple[int, ...]
+
+    def fingerprint(self) -> str:
+        """See :func:`plan_fingerprint`."""
+        return plan_fingerprint(self.plan, self.node_ranks, self.names, self.sizes, self.capacities)
+
+    def counts(self) -> np.ndarray:
+        """See :func:`node_read_counts`."""
+        return node_read_counts(self.plan, len(self.sizes), self.node_ranks)
+
+    def ownership(self) -> Ownership:
+        """See :func:`compute_ownership`."""
+        return compute_ownership(self.sizes, self.counts(), self.capacities)
+
+
+__all__ = ["ClusterPlan", "Ownership", "compute_ownership", "node_read_counts", "plan_fingerprint"]
