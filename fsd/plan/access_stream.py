@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fsd.plan.belady import next_use as belady_next_use
 from fsd.plan.document import Plan, PlanError, window_entries
 from fsd.plan.sampler import distributed_epoch, distributed_sizes, iter_epochs, load_indices
 
@@ -145,9 +144,9 @@ def beacon_levels(ranks: np.ndarray, n: int) -> np.ndarray:
 
     A position is a beacon at per-rank spacing ``2**k`` when its level is at least *k*: every rank
     gets one every ``2**k`` of its own accesses, and a sparser set is a subset of a denser one.
-    Was: positions that are multiples of the spacing. With two ranks stepping in batches of 32,
-    spacings of 64 and more put every beacon in rank 0's batches, and rank 1's progress was seen
-    only through page-cache misses (its front lagged thousands of entries). *ranks* not of length
+    Not positions that are multiples of the spacing: with two ranks stepping in batches of 32,
+    spacings of 64 and more would put every beacon in rank 0's batches, and rank 1's progress be
+    seen only through page-cache misses (its front lagged thousands of entries). *ranks* not of length
     *n*: one rank. One byte per entry, and an index array of one rank's entries at a time."""
     level = np.empty(n, dtype=np.uint8)
     if len(ranks) != n or n == 0:
@@ -190,15 +189,5 @@ def future_counts(stream: NodeStream, from_pos: int = 0, n_files: int | None = N
     return np.bincount(rest, minlength=n_files).astype(np.int64, copy=False)
 
 
-def next_use(stream: NodeStream) -> np.ndarray:
-    """For each position i, the next position holding the same file id, or ``len`` if none (int64).
-
-    :func:`fsd.belady.next_use` with ``len`` instead of its ``NEVER`` (mapped in place: no
-    temporary of the stream's size)."""
-    out = belady_next_use(stream.file_ids)
-    np.minimum(out, stream.file_ids.size, out=out)
-    return out
-
-
 __all__ = ["BEACON_LEVEL_MAX", "NodeStream", "beacon_levels", "build_node_stream", "future_counts", "id_dtype",
-           "interleave_epoch", "next_use", "rank_dtype", "rank_values"]
+           "interleave_epoch", "rank_dtype", "rank_values"]

@@ -25,14 +25,12 @@ from contextlib import contextmanager
 from typing import BinaryIO
 
 from fsd.plan.document import Plan, PlanError, check_relative_path
+from fsd.status import CONTROL_DIR
 
 log = logging.getLogger(__name__)
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 """torchvision.datasets.folder.IMG_EXTENSIONS (the extensions ImageFolder keeps)."""
-
-CONTROL_DIR = ".fsd"
-"""fsd's virtual control directory at the mount root; never part of the dataset."""
 
 MAX_LIST_FILE_BYTES = 1 << 32
 
@@ -77,6 +75,24 @@ def open_beneath(root_fd: int, rel: str) -> Iterator[BinaryIO]:
         raise
     with f:
         yield f
+
+
+@contextmanager
+def open_dir_beneath(root_fd: int, rel: str) -> Iterator[int]:
+    """A directory fd of folder *rel* below the root fd (``""``: a duplicate of the root fd), refused
+    when it resolves outside the root (as :func:`open_beneath`); closed on exit."""
+    if rel:
+        rel = check_relative_path("root", rel)
+    try:
+        fd = os.open(rel or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root_fd)
+    except OSError as e:
+        raise OrderError(f"plan: root {rel!r} is not a folder in the dataset root: {e.strerror}") from None
+    try:
+        if not _contained(os.readlink(_fd_path(root_fd)), os.readlink(_fd_path(fd))):
+            raise OrderError(f"plan: root {rel!r} resolves outside the dataset root (via a symlink); refused")
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def find_classes(root_fd: int) -> list[str]:
@@ -203,5 +219,5 @@ def file_ids(paths: list[str]) -> dict[str, int]:
     return dict(zip(paths, range(len(paths))))
 
 
-__all__ = ["CONTROL_DIR", "IMG_EXTENSIONS", "OrderError", "file_ids", "find_classes", "imagefolder_files",
-           "list_files", "listed_files", "open_beneath", "sorted_files"]
+__all__ = ["IMG_EXTENSIONS", "OrderError", "file_ids", "find_classes", "imagefolder_files",
+           "list_files", "listed_files", "open_beneath", "open_dir_beneath", "sorted_files"]

@@ -81,11 +81,15 @@ def distributed_epoch(n: int, epoch: int, ranks: Sequence[int], *, num_replicas:
 class RandomStream:
     """Epoch-by-epoch permutations of one ``RandomSampler`` with a seeded generator."""
 
-    def __init__(self, n: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, *, shares_generator: bool = False, persistent_workers: bool = False) -> None:
         self.n = n
         self._g = torch.Generator()
         self._g.manual_seed(seed)
         self.next_epoch = 0
+        # DataLoader(generator=g) given the sampler's own generator draws its workers' base seed from it
+        # when an iterator is made: every epoch, or only the first with persistent workers
+        self._base_seed_draws = shares_generator
+        self._only_first = persistent_workers
 
     def skip(self) -> None:
         """Advance the generator past one epoch without keeping it."""
@@ -93,6 +97,8 @@ class RandomStream:
 
     def take(self) -> np.ndarray:
         """The indices of epoch ``next_epoch``; advances to the following epoch."""
+        if self._base_seed_draws and (self.next_epoch == 0 or not self._only_first):
+            torch.empty((), dtype=torch.int64).random_(generator=self._g)
         self.next_epoch += 1
         if self.n == 0:
             return np.empty(0, dtype=np.int32)
