@@ -21,11 +21,10 @@ costs the daemon less CPU:
 Measured through a real mount (``tools/bench-attr``, an 800-file directory):
 47-75 us of daemon CPU per GETATTR, 5.6-10.6 us per listed entry (the
 OPENDIR's backend listing included), so a listing pays off once at least
-``1 / LIST_FRACTION`` of a directory is stale. Was: listing once 1/32 was (the
-round trips they cost), and after a second at 1/128, so a later epoch's few
-READs per directory cost listings of the whole directory (~0.3 core-s per
-epoch at the default size of ``tools/bench-data``, where the daemon's CPU is
-what the job waits for).
+``1 / LIST_FRACTION`` of a directory is stale. Listing sooner (once 1/32 was,
+and after a second at 1/128) made a later epoch's few READs per directory cost
+listings of the whole directory (~0.3 core-s per epoch at the default size of
+``tools/bench-data``, where the daemon's CPU is what the job waits for).
 
 Stale files are batched: a directory is refreshed once a listing pays off, or
 once its oldest stale file has waited ``AGE_S`` (a reader reopens a file it read
@@ -46,7 +45,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fsd.threads import name_os_thread
+from fsd.threads import Workers
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +75,8 @@ class AttrRefresher:
         self._stale: dict[bytes, dict[int, bytes]] = {}  # directory -> {inode: path}
         self._since: dict[bytes, float] = {}  # when each directory's oldest stale file was noted
         self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._workers = Workers("fsd-attr-refresh", timeout=2.0)
+        self._stop = self._workers.stopping
         self.listings = 0
         self.stats = 0  # files refreshed one by one (a GETATTR each)
         self.refreshed = 0
@@ -157,7 +156,6 @@ class AttrRefresher:
         return True
 
     def _run(self) -> None:
-        name_os_thread()
         while not self._stop.is_set():
             self._wake.wait(self._next_due_in(time.monotonic()))  # pending: look again once they aged
             self._wake.clear()
@@ -171,15 +169,11 @@ class AttrRefresher:
 
     def start(self) -> None:
         """Start the worker thread."""
-        self._thread = threading.Thread(target=self._run, name="fsd-attr-refresh", daemon=True)
-        self._thread.start()
+        self._workers.start(self._run)
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the worker; a refresh blocked on a dead mount is left to die with the process."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._workers.stop(self._wake.set, timeout)
 
     def status(self) -> dict[str, int]:
         """Counters for ``.fsd/status``."""

@@ -1,9 +1,9 @@
 """The dataset mount: a read-only view of a directory, served through tiers.
 
 Thin by design: metadata goes to the backend through the root dir fd on
-worker threads; reads of planned files go to :class:`fsd.dataset_cache.DatasetCache`;
-``.fsd/`` goes to :class:`fsd.control.ControlDir`; planning lives in
-:mod:`fsd.planner`.
+worker threads; reads of planned files go to :class:`fsd.data.cache.DatasetCache`;
+``.fsd/`` goes to :class:`fsd.control.ControlDir` (through :mod:`fsd.control_routes`); planning lives in
+:mod:`fsd.data.router`.
 
 Hot path: with a pyfuse3 that forwards the inode when ``fh`` is 0 (see
 ``tools/patches``), ``open()`` answers ENOSYS, so the kernel never sends
@@ -17,27 +17,23 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import pyfuse3
 import trio
 
-from fsd.control import CONTROL_INODE, ControlDir, Counters
+from fsd.control import CONTROL_NAME, ControlDir, Counters
+from fsd.control_routes import serves_control
 from fsd.data.attr_refresh import AttrRefresher
-from fsd.data.memory import PAGE, cached_pages, drop_cached
-from fsd.data.planner import Planner
-from fsd.data.revalidate import Revalidator, dir_fd_stat
-from fsd.data.tiers import no_direct, read_buffer
+from fsd.data.revalidate import Revalidator
+from fsd.data.router import ReadRouter
 from fsd.errors import fuse_errors
-from fsd.inodes import InodeTable
+from fsd.inodes import FIRST_INODE, InodeTable
 
 log = logging.getLogger(__name__)
 
 #: True when the installed pyfuse3 passes the inode as fh in no-open mode.
 NO_OPEN = bool(getattr(pyfuse3, "READ_FH_FALLBACK_INODE", False))
-#: True when the installed pyfuse3 reads a file and stores it in the page cache in one call.
-STORE_FILE = bool(getattr(pyfuse3, "STORE_FILE", False))
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
@@ -46,49 +42,30 @@ def _join(parent: bytes, name: bytes) -> bytes:
     return name if not parent else parent + b"/" + name
 
 
+def _own_thread(tid: int) -> bool:
+    """Whether a request came from a thread of this daemon (FUSE gives the sender's thread id): the
+    attribute refresh's ``stat`` of a file sends a LOOKUP when entries expire at once
+    (``--attr-timeout 0``), in the order the files were read, which is no reader's progress."""
+    return tid > 0 and os.path.isdir(f"/proc/self/task/{tid}")
+
+
+@serves_control(count_ops=True)
 class DataOperations(pyfuse3.Operations):
     """pyfuse3 operations of the read-only dataset view."""
 
-    def __init__(
-        self,
-        root_fd: int,
-        *,
-        ram_bytes: int = 0,
-        ssd_dir: Path | None = None,
-        ssd_bytes: int = 0,
-        fetch_threads: int = 8,
-        attr_timeout: float = 300.0,
-        revalidate_interval: float = 10.0,
-        no_open: bool = NO_OPEN,
-        mountpoint: Path | None = None,
-    ) -> None:
+    def __init__(self, root_fd: int, inodes: InodeTable, router: ReadRouter, *, read_threads: int = 8,
+                 attr_timeout: float = 300.0, no_open: bool = NO_OPEN) -> None:
         super().__init__()
         self.root_fd = root_fd
         self.no_open = no_open
         self.attr_timeout = attr_timeout
-        self.inodes = InodeTable()
+        self.inodes = inodes
+        self.router = router
         self.counters = Counters()
         self.meta_limiter = trio.CapacityLimiter(8)
-        self.read_limiter = trio.CapacityLimiter(max(8, fetch_threads * 2))
-        self.planner = Planner(
-            root_fd,
-            ram_bytes=ram_bytes,
-            ssd_dir=ssd_dir,
-            ssd_bytes=ssd_bytes,
-            fetch_threads=fetch_threads,
-            push=self._push,
-            push_file=self._push_file if STORE_FILE else None,
-            cached=self._cached if mountpoint is not None else None,
-            drop=self._drop if mountpoint is not None else None,
-            known=self._known,
-        )
-        self.mountpoint = mountpoint
-        self.control = ControlDir(self.status, self.planner.apply, counters=self.counters)
-        self.revalidator = Revalidator(self.inodes.items, dir_fd_stat(root_fd), self._backend_changed,
-                                       interval=revalidate_interval)
-        self.fuse_options = ["fsname=fsd-data", "subtype=fsd", "default_permissions"]
+        self.read_limiter = trio.CapacityLimiter(max(8, read_threads))
         self._dirs: dict[int, _DirHandle] = {}
-        self._next_dir_fh = 1
+        self._next_dir_fh = FIRST_INODE  # above the control inodes, which are their own handles
         # Last stat of every kernel-known inode. The kernel re-asks getattr
         # after each READ reply (atime invalidation), once per sample file;
         # answering from here skips the worker-thread hop. The revalidator
@@ -96,24 +73,21 @@ class DataOperations(pyfuse3.Operations):
         self._stats: dict[int, os.stat_result] = {}
         # Entries per directory at its last listing (sizes the attribute refresh).
         self._dir_sizes: dict[bytes, int] = {}
-        self.refresher = AttrRefresher(mountpoint, self._dir_sizes.get, known=self.inodes.known_to_kernel) \
-            if mountpoint is not None else None
+        # set by the composition root (fsd.data.root), which builds them around this class
+        self.control: ControlDir | None = None
+        self.revalidator: Revalidator
+        self.refresher: AttrRefresher | None = None
 
-    # -- lifecycle -------------------------------------------------------
-    async def start(self, nursery: trio.Nursery) -> None:
-        """Start background work (control expiry, backend revalidation)."""
-        nursery.start_soon(self.control.expire_loop)
-        self.planner.preload()
-        self.revalidator.start()
-        if self.refresher is not None:
-            self.refresher.start()
+    def attach(self, control: ControlDir, revalidator: Revalidator, refresher: AttrRefresher | None) -> None:
+        """The parts built around this class: the control directory, backend revalidation (which
+        calls :meth:`backend_changed`) and the attribute refresh (which asks :meth:`dir_size`)."""
+        self.control = control
+        self.revalidator = revalidator
+        self.refresher = refresher
 
-    async def stop(self) -> None:
-        """Stop revalidation and prefetching, close the tiers."""
-        if self.refresher is not None:
-            await trio.to_thread.run_sync(self.refresher.stop)
-        await trio.to_thread.run_sync(self.revalidator.stop)
-        await trio.to_thread.run_sync(self.planner.close)
+    def dir_size(self, path: bytes) -> int | None:
+        """Entries of directory *path* at its last listing (None if not listed)."""
+        return self._dir_sizes.get(path)
 
     def status(self) -> dict[str, Any]:
         """Status of the dataset mount (for ``.fsd/status``)."""
@@ -123,7 +97,7 @@ class DataOperations(pyfuse3.Operations):
             "inodes": len(self.inodes),
             "revalidate": self.revalidator.status(),
             "attr_refresh": self.refresher.status() if self.refresher is not None else None,
-            **self.planner.status(),
+            **self.router.status(),
         }
 
     # -- helpers -----------------------------------------------------------
@@ -150,87 +124,17 @@ class DataOperations(pyfuse3.Operations):
     async def _thread(self, fn: Any, *args: Any, limiter: trio.CapacityLimiter | None = None) -> Any:
         return await trio.to_thread.run_sync(fn, *args, limiter=limiter or self.meta_limiter)
 
-    def _known_ino(self, path: str) -> int | None:
-        """The inode of *path* if the kernel knows it (holds a lookup), else None."""
-        ino = self.inodes.get(os.fsencode(path))
-        return ino if ino is not None and self.inodes.known_to_kernel(ino) else None
-
-    def _known(self, path: str) -> bool:
-        """Whether a push of *path* can land: the kernel knows its inode."""
-        return self._known_ino(path) is not None
-
-    def _push(self, path: str, data: bytes) -> bool:
-        """Put *data* (a whole file) into the kernel page cache, if it knows the inode."""
-        ino = self._known_ino(path)
-        if ino is None:
-            return False
-        try:
-            pyfuse3.notify_store(ino, 0, data)
-        except OSError as e:
-            log.debug("notify_store(%s) failed: %s", path, e)
-            return False
-        return True
-
-    def _push_file(self, path: str, tier_path: str, n: int, stores: int) -> bool:
-        """Put the first *n* bytes of the tier copy at *tier_path* into the kernel page cache for *path*,
-        *stores* times, if it knows the inode: read and stored in one call without the GIL (the pyfuse3
-        patch). Raises FileNotFoundError if the copy is gone."""
-        ino = self._known_ino(path)
-        if ino is None:
-            return False
-        buf, direct = read_buffer(n)
-        while True:
-            try:
-                pyfuse3.notify_store_file(ino, tier_path, n, stores, buf, direct)
-                return True
-            except OSError as e:
-                reading = e.filename is not None  # a failed store has none (ENOENT: the kernel forgot ino)
-                if reading and e.errno == errno.ENOENT:
-                    raise
-                if reading and direct and e.errno == errno.EINVAL:
-                    no_direct(tier_path, e)
-                    direct = False
-                    continue
-                log.debug("notify_store_file(%s, %s) failed: %s", path, tier_path, e)
-                return False
-
-    def _through_mount(self, path: str) -> str | None:
-        """*path* through this mount if the kernel knows its inode, else None (then it holds no pages
-        of it either). Opening it there sends no OPEN (no-open mode) and, known, no LOOKUP, which
-        would count as the reader's progress."""
-        assert self.mountpoint is not None
-        return os.path.join(self.mountpoint, path) if self._known_ino(path) is not None else None
-
-    def _cached(self, path: str, n: int) -> bool | None:
-        """Whether the kernel page cache holds bytes ``[0, n)`` of *path* (worker threads)."""
-        mpath = self._through_mount(path)
-        if mpath is None:
-            return False
-        fd = os.open(mpath, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            pages = cached_pages(fd, 0, n)
-        finally:
-            os.close(fd)
-        return None if pages is None else pages * PAGE >= n
-
-    def _drop(self, path: str) -> None:
-        """Drop the kernel's page-cache pages of *path* (worker threads; :func:`fsd.memory.drop_cached`,
-        measured ~4 us with open and close)."""
-        mpath = self._through_mount(path)
-        if mpath is not None:
-            drop_cached(mpath)
-
     def _observe(self, ino: int, path: bytes, st: os.stat_result) -> None:
         """Tell the revalidator what the kernel was just told about *path*."""
         kind = self.revalidator.observe(ino, path, (st.st_ino, st.st_size, st.st_mtime_ns))
         if kind is not None:
-            self.planner.invalidate(path)  # the kernel drops its pages itself (auto_inval_data)
+            self.router.invalidate(path)  # the kernel drops its pages itself (auto_inval_data)
 
-    def _backend_changed(self, ino: int, path: bytes, kind: str) -> None:
+    def backend_changed(self, ino: int, path: bytes, kind: str) -> None:
         """Revalidator callback (worker thread): drop every cached copy of *path*."""
         log.info("backend %s %s: invalidating", kind, os.fsdecode(path))
         self._stats.pop(ino, None)
-        self.planner.invalidate(path)
+        self.router.invalidate(path)
         try:
             pyfuse3.invalidate_inode(ino)
             if kind == "vanished":
@@ -245,9 +149,6 @@ class DataOperations(pyfuse3.Operations):
     @fuse_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
         self.counters.op("lookup")
-        attrs = self.control.lookup(parent_inode, name)
-        if attrs is not None:
-            return attrs
         if name == b".." or name == b".":
             raise pyfuse3.FUSEError(errno.ENOENT)  # the kernel resolves these itself
         path = _join(self.inodes.path(parent_inode), name)
@@ -255,21 +156,20 @@ class DataOperations(pyfuse3.Operations):
         ino = self.inodes.ref(path)
         self._observe(ino, path, st)
         self._stats[ino] = st
-        self.planner.note_lookup(path)
+        if not _own_thread(getattr(ctx, "pid", 0)):  # a job's open, not the daemon's own attribute refresh
+            self.router.note_lookup(path)
         return self._attrs(ino, st)
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         self.counters.ops["forget"] += len(inode_list)  # the kernel dropped inodes (memory pressure)
         for ino, n in inode_list:
-            if not self.control.owns(ino) and self.inodes.forget(ino, n):
+            if self.inodes.forget(ino, n):
                 self.revalidator.forget(ino)
                 self._stats.pop(ino, None)
 
     @fuse_errors
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
         self.counters.op("getattr")
-        if self.control.owns(inode):
-            return self.control.getattr(inode)
         st = self._stats.get(inode)
         if st is None:
             path = self.inodes.path(inode)
@@ -317,9 +217,6 @@ class DataOperations(pyfuse3.Operations):
         self.counters.op("opendir")
         fh = self._next_dir_fh
         self._next_dir_fh += 1
-        if self.control.owns(inode):
-            self._dirs[fh] = _DirHandle(inode, b"", [])
-            return fh
         path = self.inodes.path(inode)
         entries = await self._thread(self._list_dir, path)
         self._dirs[fh] = _DirHandle(inode, path, entries)
@@ -330,11 +227,9 @@ class DataOperations(pyfuse3.Operations):
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         self.counters.op("readdir")
         d = self._dirs[fh]
-        if self.control.owns(d.inode):
-            return await self.control.readdir(start_id, token)
         for i in range(start_id, len(d.entries)):
             name, st = d.entries[i]
-            if d.inode == pyfuse3.ROOT_INODE and name == b".fsd":
+            if d.inode == pyfuse3.ROOT_INODE and name == CONTROL_NAME:
                 continue  # the control directory shadows a source ".fsd"
             path = _join(d.path, name)
             # readdirplus: a True reply means the kernel now holds one lookup
@@ -343,7 +238,7 @@ class DataOperations(pyfuse3.Operations):
                 self.inodes.forget(ino, 1)
                 break
             if self.inodes.lookups(ino) == 1:
-                self.planner.note_known(path)  # new to the kernel: a failed push can go now
+                self.router.note_known(path)  # new to the kernel: a failed push can go now
 
     async def releasedir(self, fh: int) -> None:
         self._dirs.pop(fh, None)
@@ -352,10 +247,6 @@ class DataOperations(pyfuse3.Operations):
     @fuse_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         self.counters.op("open")
-        if self.control.owns(inode):
-            if self.no_open:
-                raise pyfuse3.FUSEError(errno.ENOSYS)
-            return self.control.open(inode, flags)
         if self.no_open:
             # the kernel stops sending open/release and keeps page caches
             raise pyfuse3.FUSEError(errno.ENOSYS)
@@ -366,12 +257,10 @@ class DataOperations(pyfuse3.Operations):
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
         self.counters.op("read")
-        if self.control.owns(fh):
-            return self.control.read(fh, off, size)
         path = self.inodes.path(fh)
-        data = self.planner.read_resident(path, off, size)  # RAM: answered here, no thread hop
+        data = self.router.read_resident(path, off, size)  # RAM: answered here, no thread hop
         if data is None:
-            data = await self._thread(self.planner.read, path, off, size, limiter=self.read_limiter)
+            data = await self._thread(self.router.read, path, off, size, limiter=self.read_limiter)
         if self.refresher is not None:
             self.refresher.note_read(path, fh)  # this reply makes the kernel's atime stale
         return data
@@ -379,14 +268,9 @@ class DataOperations(pyfuse3.Operations):
     @fuse_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         self.counters.op("write")
-        if self.control.owns(fh):
-            return await self.control.write(fh, off, buf)
         raise pyfuse3.FUSEError(errno.EROFS)
 
     async def flush(self, fh: int) -> None:
-        if not self.no_open and self.control.owns(fh):
-            self.control.flush_pending()
-            return
         raise pyfuse3.FUSEError(errno.ENOSYS)
 
     async def release(self, fh: int) -> None:
@@ -395,8 +279,6 @@ class DataOperations(pyfuse3.Operations):
     @fuse_errors
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
                       fh: int | None, ctx: Any) -> pyfuse3.EntryAttributes:
-        if inode == CONTROL_INODE and fields.update_size and attr.st_size == 0:
-            return self.control.getattr(inode)  # O_TRUNC of the control file
         raise pyfuse3.FUSEError(errno.EROFS)
 
     async def _erofs(self, *args: Any, **kwargs: Any) -> Any:

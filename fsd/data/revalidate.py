@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-from fsd.threads import name_os_thread
+from fsd.threads import Workers
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,9 @@ class Revalidator:
 
     At most *rate* stats per second; a new sweep starts *interval* seconds
     after the previous one started (or right after it ends, if it took longer).
-    Empty relpaths (the root) are skipped.
+    Empty relpaths (the root) are skipped. Time comes from *clock* and passes in
+    *wait(seconds)* (True once stopped; by default the stop event's wait): a test
+    passes a manual clock and a wait that advances it.
     """
 
     #: The rate is held over bursts this long: the thread sleeps only once it is this far ahead.
@@ -88,6 +90,8 @@ class Revalidator:
         rate: float = 2000.0,
         interval: float = 10.0,
         name: str = "fsd-revalidate",
+        clock: Callable[[], float] = time.monotonic,
+        wait: Callable[[float], bool] | None = None,
     ) -> None:
         if rate <= 0:
             raise ValueError(f"rate must be > 0, got {rate}")
@@ -101,8 +105,10 @@ class Revalidator:
         self.name = name
         self._lock = threading.Lock()
         self._sigs: dict[int, tuple[Path_, Signature]] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._workers = Workers(name, timeout=5.0)
+        self._stop = self._workers.stopping
+        self.clock = clock
+        self._wait = wait or self._stop.wait  # sleeps; True once stopped
         # counters (written by one thread at a time, read by status())
         self.sweeps = 0
         self.changes_detected = 0
@@ -112,7 +118,7 @@ class Revalidator:
         self.callback_errors = 0
         self.last_sweep_s: float | None = None
         self.last_sweep_unix: float | None = None
-        self._next_stat = time.monotonic()
+        self._next_stat = clock()
 
     # -- signatures --------------------------------------------------------
     def observe(self, inode: int, relpath: Path_, sig: Signature | None) -> ChangeKind | None:
@@ -159,16 +165,16 @@ class Revalidator:
 
     def _pace(self) -> bool:
         """Sleep to hold the stat rate; False if stopped meanwhile."""
-        now = time.monotonic()
+        now = self.clock()
         self._next_stat = max(self._next_stat + 1.0 / self.rate, now - 0.05)
         ahead = self._next_stat - now
         if ahead > self.PACE_S:
-            return not self._stop.wait(ahead)
+            return not self._wait(ahead)
         return not self._stop.is_set()
 
     def sweep(self) -> int:
         """One rate-limited pass over ``known()``; returns the number of changes reported."""
-        t0 = time.monotonic()
+        t0 = self.clock()
         pairs = self._snapshot()
         alive = {ino for ino, _ in pairs}
         with self._lock:
@@ -198,48 +204,38 @@ class Revalidator:
                 self.callback_errors += 1
                 log.exception("revalidate: on_change(%d, %r, %s) failed", ino, rel, kind)
         self.sweeps += 1
-        self.last_sweep_s = round(time.monotonic() - t0, 6)
+        self.last_sweep_s = round(self.clock() - t0, 6)
         self.last_sweep_unix = time.time()
         return found
 
     def _run(self) -> None:
-        name_os_thread()
         log.info("revalidator started (%.0f stats/s, sweep every %.1f s)", self.rate, self.interval)
         while not self._stop.is_set():
-            t0 = time.monotonic()
+            t0 = self.clock()
             try:
                 self.sweep()
             except Exception:
                 # a bug here must not silently stop revalidation; log and keep going
                 log.exception("revalidate: sweep failed")
                 self.stat_errors += 1
-            wait = self.interval - (time.monotonic() - t0)
-            if self._stop.wait(max(wait, 0.01)):
+            wait = self.interval - (self.clock() - t0)
+            if self._wait(max(wait, 0.01)):
                 break
         log.info("revalidator stopped after %d sweeps", self.sweeps)
 
     def start(self) -> None:
         """Start the worker thread (idempotent)."""
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._thread.start()
+        if not self._workers.running:
+            self._workers.start(self._run)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the worker thread and wait for it (at most *timeout* seconds)."""
-        self._stop.set()
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout)
-            if t.is_alive():
-                log.warning("revalidator thread did not stop within %.1f s", timeout)
-        self._thread = None
+        self._workers.stop(timeout=timeout)
 
     @property
     def running(self) -> bool:
         """True while the worker thread runs."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._workers.running
 
     def status(self) -> dict[str, Any]:
         """Counters for ``.fsd/status`` (the ``revalidate`` section)."""

@@ -1,7 +1,7 @@
 """RAM tier and SSD tier stores with hard byte bounds.
 
 Both stores only do bookkeeping and I/O; *what* to keep is decided by the
-cache (:mod:`fsd.dataset_cache`) under its lock, which also serializes every
+cache (:mod:`fsd.data.residency`) under its lock, which also serializes every
 call that changes ``used``. The bound is hard: ``reserve`` refuses rather than
 overshoot, and bytes count from reservation until the data is gone.
 

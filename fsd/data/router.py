@@ -1,9 +1,11 @@
-"""Glue between a control document and the dataset tiers.
+"""Routes each kernel read of a dataset file to the active plan's cache, or to the backend.
 
-``apply`` (worker thread) parses the plan, lists the dataset in sample order,
-builds the node's access stream and hands it to the :class:`DatasetCache`,
-replacing the previous plan atomically: a read sees either the old or the new
-mapping, and both serve the backend's bytes. ``read`` serves one kernel read.
+``apply`` (worker thread) parses the plan, lists the dataset in sample order, builds the node's
+access stream and hands it to the :class:`fsd.data.cache.DatasetCache`, replacing the previous
+plan atomically: a read sees either the old or the new mapping, and both serve the backend's
+bytes. A new file list gets its file id <-> inode map once (:meth:`fsd.inodes.InodeTable.bind`),
+through which the cache's pushes reach the kernel (:class:`fsd.data.kernel_port.KernelPort`).
+``read`` serves one kernel read.
 """
 
 from __future__ import annotations
@@ -12,34 +14,34 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsd.data.backend import Backend
-from fsd.threads import name_os_thread
+from fsd.data.plan_check import ReadLog
+from fsd.inodes import FileInodes, InodeTable
+from fsd.threads import start_thread
+
+if TYPE_CHECKING:
+    from fsd.data.ports import PageCachePort
 
 log = logging.getLogger(__name__)
 
 
-def _by_file_id(fn: Callable[..., Any] | None, paths: list[str]) -> Callable[..., Any] | None:
-    """*fn*, which takes a dataset path first, as a function of the file id (None stays None)."""
-    return None if fn is None else (lambda fid, *args: fn(paths[fid], *args))
-
-
 class _Active:
-    """One applied plan: its file list, id map and cache."""
+    """One applied plan: its file list, the list's file id <-> inode map, and its cache."""
 
-    def __init__(self, plan: Any, paths: list[str], cache: Any) -> None:
+    def __init__(self, plan: Any, paths: list[str], files: FileInodes, cache: Any) -> None:
         self.plan = plan
         self.paths = paths
-        self.ids = {os.fsencode(p): i for i, p in enumerate(paths)}
+        self.files = files
         self.cache = cache
         self.applied_unix = time.time()
 
 
-class Planner:
-    """Holds the active plan and routes reads to its cache or the backend."""
+class ReadRouter:
+    """Holds the active plan and routes each read to its cache, or to the backend if the plan has no such file."""
 
     def __init__(
         self,
@@ -49,26 +51,23 @@ class Planner:
         ssd_dir: Path | None,
         ssd_bytes: int,
         fetch_threads: int,
-        push: Callable[[str, bytes], bool] | None,
-        push_file: Callable[[str, str, int, int], bool] | None = None,
-        cached: Callable[[str, int], bool | None] | None = None,
-        drop: Callable[[str], None] | None = None,
-        known: Callable[[str], bool] | None = None,
+        inodes: InodeTable,
+        kernel: PageCachePort | None,
+        attach: Callable[[Any, Sequence[str], Any], list[str]] | None = None,
     ) -> None:
         self.root_fd = root_fd
         self.ram_bytes = ram_bytes
         self.ssd_dir = ssd_dir
         self.ssd_bytes = ssd_bytes
         self.fetch_threads = fetch_threads
-        self.push = push
-        self.push_file = push_file
-        self.cached = cached
-        self.drop = drop
-        self.known = known
+        self.inodes = inodes
+        self.kernel = kernel
+        self.attach = attach  # (plan, paths, cache) -> warnings: called before a cache follows a new plan
         self._lock = threading.Lock()
         self._active: _Active | None = None
         self._unplanned_reads = 0
         self._plans_applied = 0
+        self.reads = ReadLog()  # the verdict: do the reads follow the plan
 
     def preload(self) -> threading.Thread:
         """Import the planning modules (torch among them) on a thread, before a plan arrives.
@@ -78,27 +77,23 @@ class Planner:
         with the job's own start-up instead."""
 
         def load() -> None:
-            name_os_thread()
             t0 = time.monotonic()
             import fsd.data.cache  # noqa: F401
-            import fsd.plan.access_stream  # noqa: F401
+            import fsd.plan.job_stream  # noqa: F401
             log.debug("planning modules imported in %.2f s", time.monotonic() - t0)
 
-        t = threading.Thread(target=load, name="fsd-preload", daemon=True)
-        t.start()
-        return t
+        return start_thread(load, name="fsd-preload")
 
-    def apply(self, doc: bytes) -> None:
-        """Parse and activate a control document (raises ValueError to refuse)."""
+    def apply(self, doc: bytes) -> list[str]:
+        """Parse and activate a control document (raises ValueError to refuse); returns the plan's
+        warnings (for ``.fsd/error``)."""
         from fsd.data.cache import DatasetCache
-        from fsd.plan.access_stream import build_node_stream
-        from fsd.plan.document import parse_plan
-        from fsd.plan.order import list_files
+        from fsd.plan.diagnose import FOLLOWED
+        from fsd.plan.job_stream import build_plan
 
-        plan = parse_plan(doc)
         t0 = time.perf_counter()
-        paths = list_files(self.root_fd, plan)
-        stream = build_node_stream(plan, len(paths), root_fd=self.root_fd)
+        built = build_plan(self.root_fd, doc)  # a single-loader document or a job of several loaders
+        plan, paths, stream = built.plan, built.paths, built.stream
         with self._lock:
             old = self._active
         if old is not None and old.paths == paths and old.cache.follows(stream):
@@ -107,41 +102,46 @@ class Planner:
             with self._lock:
                 self._plans_applied += 1
             log.info("plan unchanged: %d files, position kept", len(paths))
-            return
+            return built.warnings
+        warnings = list(built.warnings)
         if old is not None and old.paths == paths:
+            if self.attach is not None:
+                warnings += self.attach(plan, paths, old.cache)
             old.cache.set_plan(stream)
-            new = _Active(plan, paths, old.cache)
+            new = _Active(plan, paths, old.files, old.cache)
         else:
-            backend = Backend(self.root_fd, paths)
+            files = self.inodes.bind(FileInodes(paths))
             cache = DatasetCache(
-                backend,
+                Backend(self.root_fd, paths),
                 ram_bytes=self.ram_bytes,
                 ssd_dir=self.ssd_dir,
                 ssd_bytes=self.ssd_bytes,
                 fetch_threads=self.fetch_threads,
-                push=_by_file_id(self.push, paths),
-                push_file=_by_file_id(self.push_file, paths),
-                cached=_by_file_id(self.cached, paths),
-                drop=_by_file_id(self.drop, paths),
-                known=_by_file_id(self.known, paths),
+                kernel=self.kernel,
+                inodes=files,
+                on_read=self.reads.record,
             )
+            if self.attach is not None:
+                warnings += self.attach(plan, paths, cache)
             cache.set_plan(stream)
             cache.start()
-            new = _Active(plan, paths, cache)
+            new = _Active(plan, paths, files, cache)
         with self._lock:
             self._active = new
             self._plans_applied += 1
+            self.reads.reset(FOLLOWED)
         if old is not None and old.cache is not new.cache:
             old.cache.close()
         log.info("plan applied: %d files, %d predicted accesses, %.2f s",
                  len(paths), len(stream.file_ids), time.perf_counter() - t0)
+        return warnings
 
     def _planned(self, path: bytes) -> tuple[Any, int] | None:
         """(cache, file id) of *path* under the active plan, or None."""
         active = self._active  # one read of the reference: old or new plan, never a mix
         if active is None:
             return None
-        fid = active.ids.get(path)
+        fid = active.files.file_id(path)
         return None if fid is None else (active.cache, fid)
 
     def read(self, path: bytes, off: int, size: int) -> bytes:
@@ -151,6 +151,8 @@ class Planner:
             cache, fid = planned
             return cache.read(fid, off, size)
         self._unplanned_reads += 1
+        if off == 0 and self._active is not None:  # a read outside the plan (its later requests are part of it)
+            self.reads.record(os.fsdecode(path), False)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.root_fd)
         try:
             return os.pread(fd, size, off)
@@ -183,7 +185,8 @@ class Planner:
     def status(self) -> dict[str, Any]:
         """Plan and tier status for ``.fsd/status``."""
         active = self._active
-        out: dict[str, Any] = {"plans_applied": self._plans_applied, "unplanned_reads": self._unplanned_reads}
+        out: dict[str, Any] = {"plans_applied": self._plans_applied, "unplanned_reads": self._unplanned_reads,
+                               "plan_verdict": self.reads.verdict() if active is not None else None}
         if active is None:
             out["plan"] = None
             return out
@@ -191,6 +194,14 @@ class Planner:
         out["files"] = len(active.paths)
         out["cache"] = active.cache.stats()
         return out
+
+    def check_context(self) -> tuple[Any, list[str], Any] | None:
+        """What :class:`fsd.data.plan_check.PlanCheck` needs: the active plan, its listing's paths and a
+        lister of the source (None without a plan)."""
+        from fsd.plan.job_stream import root_lister
+
+        active = self._active
+        return None if active is None else (active.plan, active.paths, root_lister(self.root_fd))
 
     def close(self) -> None:
         """Stop the active cache's threads."""

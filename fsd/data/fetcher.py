@@ -1,0 +1,337 @@
+"""Bytes from the backend and the SSD tier: prefetch fetches, tier writes, and serving a read.
+
+A prefetch fetch (worker thread) reads the whole file, then settles its reservation and decides,
+under the guard, where the bytes go: admitted at once to a tier (a fill fetch, or staging full),
+else staged until the reader consumed the access (the decision then is Belady's, in stream order:
+:mod:`fsd.data.residency`), and pushed unless it runs on a reader's thread. An SSD-tier write runs
+without the guard; meanwhile readers get the writer's bytes (:mod:`fsd.data.staging`).
+
+Serving a read tries, in order: RAM tier or staging, the SSD tier, a fetch in flight (a queued one
+is claimed and run on the reader's thread rather than waited for: the Deadlocks section of
+:mod:`fsd.data.kernel_tier`), a whole-file demand fetch for a planned access at offset 0 (kept if
+Belady says so), and finally a plain backend read of the requested range.
+
+Counters of backend traffic and reader stalls are this module's; everything else it changes
+belongs to the component it calls. Guarded by the cache's lock (:mod:`fsd.data.guard`), never
+held across a backend or SSD read or write.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from fsd.data.backend import Backend
+from fsd.data.catalog import FileCatalog
+from fsd.data.cursor import PlanCursor
+from fsd.data.guard import CacheGuard
+from fsd.data.kernel_tier import KernelTier
+from fsd.data.prefetcher import Task
+from fsd.data.progress import SYNCED
+from fsd.data.residency import Residency
+from fsd.data.staging import Fetch, Staging
+from fsd.data.tiers import SsdTier
+from fsd.plan.belady import NEVER
+from fsd.plan.placement import RAM, SSD
+
+log = logging.getLogger(__name__)
+
+
+class WholeFiles(Protocol):
+    """Another source of whole files than the backend (cluster mode: :mod:`fsd.cluster.source`)."""
+
+    def read(self, fid: int, queued: Sequence[int] = ()) -> bytes:
+        """The whole of *fid*; *queued*: files whose fetches are queued after it, in access order
+        (their staging room is reserved), which the source may fetch along with it."""
+        ...
+
+    def invalidate(self, fid: int) -> None: ...
+
+
+class Fetcher:
+    """Backend fetches (prefetch and demand), SSD-tier writes, and the read path."""
+
+    FETCH_WAIT_S = 10.0  # longest a reader waits for a fetch that another thread runs
+    QUEUED_HINT = 64  # accesses after a fetch's own whose files a source is told of (look-ahead)
+
+    def __init__(self, guard: CacheGuard, backend: Backend, catalog: FileCatalog, staging: Staging,
+                 residency: Residency, cursor: PlanCursor, kernel: KernelTier, clock: Callable[[], float]) -> None:
+        self.guard = guard
+        self.backend = backend
+        self.catalog = catalog
+        self.staging = staging
+        self.residency = residency
+        self.cursor = cursor
+        self.kernel = kernel
+        self.clock = clock
+        self.backend_bytes = 0
+        self.backend_reads = 0
+        self.demand_reads = 0
+        self.stall_s = 0.0
+        self.overflow_drops = 0
+        self.source: WholeFiles | None = None  # set: whole-file fetches go through it
+        self.source_bytes = 0
+
+    def execute(self, t: Task) -> None:
+        """Run a prefetcher task (worker threads)."""
+        if t.kind == "fetch":
+            with self.guard:
+                f = t.ref
+                assert isinstance(f, Fetch)
+                if f.started:
+                    return  # a reader took it over
+                f.started = True
+                queued = self._upcoming(t) if self.source is not None else []
+            self.run_fetch(t, queued=queued)
+        elif t.kind == "ssd":
+            path, data, gen = t.ref  # type: ignore[misc]
+            self.write_ssd(t.fid, path, data, gen)
+        else:
+            self.kernel.run(t)
+
+    def _upcoming(self, t: Task) -> list[int]:
+        """Files of the accesses after *t*'s in the plan that no tier, staging or fetch holds and the
+        kernel is not believed to cache: what the prefetcher will fetch next (guard held)."""
+        plan = self.cursor.plan
+        if plan is None or plan.gen != t.plan_gen:
+            return []
+        out: list[int] = []
+        held = self.kernel.belief.tier
+        for f in plan.ids[t.pos + 1 : t.pos + 1 + self.QUEUED_HINT].tolist():
+            if f in self.residency or self.staging.busy(f) or f in held:
+                continue
+            out.append(f)
+        return out
+
+    # ------------------------------------------------------------------ reads
+    def memory_copy(self, fid: int) -> bytes | None:
+        """The RAM tier's, staging's or an SSD-tier write's copy of *fid*, its hit counted; None if
+        none has it (guard held). A reader that came while a fill fetch's file was being written
+        would otherwise read it from the backend again (``bench-data``: ~230 of 8000 files in epoch
+        0, once readers kept up with the prefetcher)."""
+        d = self.residency.memory_copy(fid)
+        if d is not None:
+            return d
+        d = self.staging.copy(fid)
+        if d is not None:
+            self.staging.hits += 1
+        return d
+
+    def serve(self, fid: int, off: int, size: int, q: int | None, plan_gen: int, inline: Task | None,
+              t0: float) -> bytes:
+        """Bytes ``[off, off+size)`` of *fid* for a reader (its thread; guard not held): its access
+        *q* (None: not planned) of plan generation *plan_gen*, *inline* the fetch of it the reader
+        runs itself (it outran the prefetcher), read since *t0*."""
+        planned = q is not None
+        waited = False
+        if inline is not None:
+            got = self.run_fetch(inline, may_push=False)
+            if got is not None:  # the reader's own fetch: its bytes, kept or not (staging may be full)
+                self._account_stall(planned, t0)
+                return got[off : off + size]
+            waited = True
+        for _ in range(3):
+            e = f = None
+            claimed: Task | None = None
+            with self.guard:
+                d = self.memory_copy(fid)
+                if d is None:
+                    e = self.residency.ssd.get(fid)
+                    f = self.staging.inflight.get(fid) if e is None else None
+                    if f is not None and not f.started:
+                        f.started = True  # queued, not begun: do it here rather than wait in line
+                        claimed, f = f.task, None
+            if claimed is not None:
+                got = self.run_fetch(claimed, may_push=False)
+                if got is not None:
+                    self._account_stall(planned, t0)
+                    return got[off : off + size]
+                waited = True
+                continue
+            if d is not None:
+                self._account_stall(planned and waited, t0)
+                return d[off : off + size]
+            if e is not None:
+                try:
+                    out = SsdTier.pread(e, off, size)
+                except FileNotFoundError:
+                    continue  # evicted under us: look again
+                with self.guard:
+                    self.residency.ssd.hits += 1
+                    self.residency.ram.misses += 1
+                self._account_stall(planned and waited, t0)
+                return out
+            if f is not None and not waited:
+                f.event.wait(self.FETCH_WAIT_S)
+                waited = True
+                continue
+            break
+        if q is not None and off == 0 and not waited:
+            data = self.demand_fetch(fid, q, plan_gen)  # planned, not prefetched: kept if Belady says so
+            self._account_stall(True, t0)
+            return data[off : off + size]
+        out = self.backend.pread(fid, off, size)
+        with self.guard:
+            self.residency.ram.misses += 1
+            self.residency.ssd.misses += 1
+            self.backend_bytes += len(out)
+            self.backend_reads += 1
+            self.demand_reads += 1
+        self._account_stall(planned, t0)
+        return out
+
+    def _account_stall(self, stalled: bool, t0: float) -> None:
+        if not stalled:
+            return
+        now = self.clock()
+        with self.guard:
+            self.stall_s += now - t0
+            tr = self.cursor.tracker
+            if tr is not None and tr.state == SYNCED:
+                self.cursor.lead.stalled(now)
+
+    # ------------------------------------------------------------------ fetches
+    def _fetch_bytes(self, fid: int, est: int, src: WholeFiles | None = None, queued: Sequence[int] = ()) -> bytes:
+        if src is not None:
+            return src.read(fid, queued)
+        if est <= 0:
+            return self.backend.read_file(fid)
+        data = self.backend.pread(fid, 0, est + 1)
+        if len(data) <= est:
+            return data
+        parts = [data]
+        off = len(data)
+        while True:
+            b = self.backend.pread(fid, off, 1 << 22)
+            if not b:
+                return b"".join(parts)
+            parts.append(b)
+            off += len(b)
+
+    def run_fetch(self, t: Task, may_push: bool = True, queued: Sequence[int] = ()) -> bytes | None:
+        """Fetch, then stage/admit and push (*may_push* False on a reader's thread: see Deadlocks).
+
+        Returns the bytes when they are the file's current ones (its generation), kept or not: a
+        reader that ran the fetch itself serves them rather than reading the backend again when
+        staging had no room for them."""
+        fid = t.fid
+        src = self.source
+        via_source = src is not None
+        try:
+            data = self._fetch_bytes(fid, t.reserved, src, queued)
+        except OSError as e:
+            log.warning("prefetch of file %d failed: %s", fid, e)
+            data = None
+        ssd_path: str | None = None
+        push = False
+        push_pos = t.pos
+        with self.guard:
+            f = t.ref
+            assert isinstance(f, Fetch)
+            mine = self.staging.settle(fid, f) and f.gen == self.catalog.gen(fid)
+            if data is not None and via_source:
+                self.source_bytes += len(data)
+            elif data is not None:
+                self.backend_bytes += len(data)
+                self.backend_reads += 1
+            if not mine or data is None or self.guard.closed:
+                f.event.set()
+                self.guard.notify_all()
+                return None
+            size = len(data)
+            self.catalog.note_size(fid, size)
+            plan = self.cursor.plan
+            last = self.cursor.pending_at(fid)
+            if plan is None:
+                nu = NEVER
+            elif last is not None and plan.gen == t.plan_gen:
+                nu = int(plan.nu[last])
+            else:
+                nu = plan.index.first_at_or_after(fid, self.cursor.head)
+            # Admit when the reader has consumed the access (in stream order, exactly Belady's
+            # sequence of decisions); deciding now, a lead ahead, measured 10 % fewer hits.
+            lazy = not f.fill and last is not None and self.staging.room() >= size
+            # a fill fetch was reserved against free room: kept for its pending access at least
+            tier = None if lazy else self.residency.admit(fid, size, last if f.fill and last is not None else nu)
+            if tier == RAM:
+                self.residency.keep_in_ram(fid, data, self.cursor.key(fid))
+            elif tier == SSD:
+                ssd_path = self.residency.ssd.reserve(fid, size)
+                if ssd_path is not None:
+                    self.staging.writing[fid] = data
+            if tier != RAM and (last is not None or ssd_path is not None):
+                # transient (or SSD write in progress): staging holds it until consumed
+                if not self.staging.stage(fid, data) and ssd_path is None:
+                    self.overflow_drops += 1
+            push = may_push and self.kernel.pushing and plan is not None and last is not None
+            if last is not None:
+                push_pos = last
+            if push:
+                push = self.kernel.push_fetched(fid, push_pos)
+            f.event.set()
+            self.guard.notify_all()
+        if ssd_path is not None:
+            self.write_ssd(fid, ssd_path, data, f.gen)
+        if push:
+            self.kernel.push(fid, push_pos, data)
+        return data
+
+    def write_ssd(self, fid: int, path: str, data: bytes, gen: int) -> None:
+        """Write *fid*'s bytes to its reserved SSD-tier file; commit it if still wanted."""
+        try:
+            SsdTier.write(path, data)
+            ok = True
+        except OSError as e:
+            log.warning("SSD tier write of file %d failed: %s", fid, e)
+            ok = False
+        res = self.residency
+        with self.guard:
+            self.staging.writing.pop(fid, None)
+            if fid not in self.cursor.last and fid in self.staging.files:
+                self.staging.drop(fid)
+            if ok and gen == self.catalog.gen(fid) and not self.guard.closed and fid not in res.ram \
+                    and fid not in res.ssd:
+                res.ssd.commit(fid, path, len(data))
+                res.belady.set(fid, self.cursor.key(fid))
+            else:
+                res.ssd.unreserve(path, len(data))
+
+    def demand_fetch(self, fid: int, q: int, plan_gen: int) -> bytes:
+        """Whole-file backend read for access *q* of plan generation *plan_gen* that the prefetcher
+        skipped or has not reached; admitted by Belady."""
+        cur = self.cursor
+        with self.guard:
+            gen = self.catalog.gen(fid)
+            if cur.plan is not None and cur.gen == plan_gen and q >= cur.head:
+                cur.note_read_ahead(q)
+        src = self.source
+        data = src.read(fid) if src is not None else self.backend.read_file(fid)
+        ssd_path = None
+        with self.guard:
+            if src is not None:
+                self.source_bytes += len(data)
+            else:
+                self.backend_bytes += len(data)
+                self.backend_reads += 1
+            self.demand_reads += 1
+            plan = cur.plan
+            busy = fid in self.residency or self.staging.busy(fid)
+            fresh = plan is not None and cur.gen == plan_gen and gen == self.catalog.gen(fid)
+            if fresh and not busy and not self.guard.closed:
+                assert plan is not None
+                self.catalog.note_size(fid, len(data))
+                tier = self.residency.admit(fid, len(data), plan.index.first_at_or_after(fid, q + 1))
+                if tier == RAM:
+                    self.residency.keep_in_ram(fid, data, cur.key(fid))
+                elif tier == SSD:
+                    ssd_path = self.residency.ssd.reserve(fid, len(data))
+                    if ssd_path is not None:
+                        self.staging.writing[fid] = data
+        if ssd_path is not None:
+            self.write_ssd(fid, ssd_path, data, gen)
+        return data
+
+    def stats(self) -> dict:
+        return {"bytes_read": self.backend_bytes, "reads": self.backend_reads, "demand_reads": self.demand_reads,
+                "source_bytes": self.source_bytes}

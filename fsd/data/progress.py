@@ -1,0 +1,463 @@
+"""Where the readers are in the plan: progress beacons, matching reads to accesses, divergence.
+
+Where is the reader?
+    Once the kernel page cache holds a file, its reads never reach the daemon,
+    so progress is inferred from what *does* arrive (reads and lookups):
+
+    * **Progress beacons.** About every ``beacon_every``-th predicted access
+      of each rank's stretch of the stream (every ``beacon_every / 2**k`` of
+      the rank's own accesses, ``2**k`` >= the node's ranks:
+      :func:`fsd.access_stream.beacon_levels`) is pushed *without its last page*
+      (files of one page or less are not pushed at all). The reader's read of
+      that page reaches the daemon and pins the reader's position to within
+      the reorder slack ``window``. Cost: one FUSE round trip (~30-60 us) per
+      ``beacon_every`` files (measured ~0.3-0.4 ms on 2 loaded cores, plus a
+      getattr at the file's next open). ``beacon_every`` adapts
+      (:meth:`LeadControl.beacon_spacing`): 16, doubled up to 256 while that
+      would still give a beacon every 0.25 s of reading, back to 16 for a second
+      after pushed pages were lost. Spacings are powers of two times 16, so a
+      sparser set of beacons is a subset of a denser one. A file the kernel is
+      believed to hold whole cannot be a beacon (a push cannot remove a page);
+      its beacon is skipped.
+    * **Every other read/lookup** that arrives is matched too (page-cache
+      misses, first-epoch lookups), so without a ``push`` every read is a beacon.
+    * **Rate extrapolation.** Between beacons the position is extrapolated with
+      an EWMA of the observed entries/s, capped at ``front + beacon_every +
+      window`` (the reader cannot pass the next beacon unnoticed).
+
+Matching
+    One front per rank (ranks drift apart, by whole epochs when they are
+    not synchronized). A read of file *f* matches a predicted access *q* of
+    *f* that *q*'s rank has not passed (:meth:`ProgressTracker._match`):
+    preferably one near an observed rank's front, else one of a rank not seen
+    yet in the leading rank's epoch or before, else the earliest up to
+    ``max_jump`` past the leading front (``max_jump`` = prefetched distance +
+    4*window + beacon_every + min lead). "Near" is what the reader's progress
+    explains: its reorder window plus twice what the readers' rate carries it
+    since its last matched read, never the beacon spacing (which on a small
+    dataset covers every epoch of the plan); and a match is never more than
+    one epoch past where its rank reads, and in the next epoch only once the
+    rank can have read its last access of this one (a rank reads an epoch's
+    files after all of the one before). An access a read took is not taken
+    again (each is read once), and the later READ requests of a read belong
+    to the access its first one matched. Files the plan never mentions are
+    *foreign* (another job, ``ls``): served, counted, not held against the plan.
+
+Divergence and back-off
+    Over the last ``DIV_WINDOW`` planned reads, ``DIV_THRESHOLD`` mismatches
+    switch the tracker to ``diverged``: the cache stops prefetching and
+    pushing (no backend thrash, no page-cache pollution) and serves reads on
+    demand. While diverged every read tries to re-anchor: ``RESYNC_MATCHES``
+    reads in a row near their ranks' fronts, or ``RESYNC_MATCHES`` of the last
+    ``2*RESYNC_MATCHES`` reads fitting one place of the plan, anywhere in it
+    (each within ``2*window`` plus what the readers' rate covers over those
+    reads, at most ``beacon_every``, of it: the spacing alone would let a
+    wrong plan over a small dataset fit anywhere), switch back to ``synced``
+    there, re-anchoring the ranks that read there. A reader that skipped ahead,
+    or a job restarted from a checkpoint while the mount stayed up (same plan,
+    earlier positions), is picked up again; a rank that did not go back keeps
+    its front.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+
+import numpy as np
+
+from fsd.plan.access_stream import rank_values
+from fsd.plan.belady import NEVER, FileIndex
+
+log = logging.getLogger(__name__)
+
+SYNCED = "synced"
+DIVERGED = "diverged"
+
+DIV_WINDOW = 32
+DIV_THRESHOLD = 12
+RESYNC_MATCHES = 8
+MAX_ANCHORS = 4096  # positions a resync run is tried at: its newest read's file's first accesses
+CONTINUE_S = 0.2  # a read at offset > 0 this soon after the read of the file that it continues is part of it
+CONTINUE_BYTES = 4 << 20  # ... and at most this far past where that one ended (readahead)
+READING_MAX = 4096  # files whose last read is remembered for that
+
+
+class ProgressTracker:
+    """Estimates the readers' positions in the stream; not thread-safe (cache lock).
+
+    Ranks of a node drift apart (separate processes, each with its own
+    DataLoader), so the tracker keeps one front per rank of the stream
+    (``ranks[i]``) without knowing which rank sent a read: a read of *f* is
+    matched to the first predicted access of *f* near the front of *that
+    access's* rank. ``front`` is the leading rank's front (extrapolation,
+    lead), ``trail`` the slowest observed rank's (what may be released).
+    """
+
+    def __init__(self, index: FileIndex, n: int, window: int, beacon_every: int,
+                 ranks: np.ndarray | None = None, epoch_bounds: np.ndarray | None = None) -> None:
+        self.index = index
+        self.n = n
+        self.window = max(1, int(window))
+        self.beacon_every = beacon_every  # 0: no beacons (every read arrives)
+        if ranks is not None and len(ranks) == n and n:
+            ranks = np.asarray(ranks)
+            # dense rank ids without sorting the stream (np.unique did: seconds at 100M entries)
+            dense = np.searchsorted(rank_values(ranks), ranks)
+            self.rank_of: np.ndarray | None = dense.astype(np.int32)
+            self.fronts = [-1] * (int(dense.max()) + 1)
+        else:
+            self.rank_of = None
+            self.fronts = [-1]
+        self._hist: list[deque[int]] = [deque(maxlen=5) for _ in self.fronts]
+        bounds = np.asarray(epoch_bounds if epoch_bounds is not None and len(epoch_bounds) >= 2 else [0, n])
+        self._bounds = bounds.astype(np.int64)
+        self._last_in: dict[tuple[int, int], int] = {}  # (rank, epoch) -> the rank's last access in it
+        # per rank: where it has read, the second furthest of its last 5 plausible matches (one
+        # ambiguous read attributed to another rank's later access must not move it an epoch on)
+        self._top = [-1] * len(self.fronts)
+        self._plausible: list[deque[int]] = [deque(maxlen=5) for _ in self.fronts]
+        self._t_rank: list[float | None] = [None] * len(self.fronts)  # per rank: when it last matched
+        self._taken: set[int] = set()  # accesses a read matched (a file is read once per access)
+        # fid -> (q, end offset of its last read (-1: a lookup), t)
+        self._reading: OrderedDict[int, tuple[int, int, float]] = OrderedDict()
+        self.last_new = False  # the last observe() was a new read or lookup (not a later part of a read)
+        self.last_predicted = False  # ... and a plausible place of the plan explained it
+        self.state = SYNCED
+        self.front = -1  # furthest matched position (leading rank)
+        self.trail = -1  # front of the slowest rank seen so far
+        self.t_front = 0.0
+        self.rate = 0.0  # entries / s
+        self._rate_pos = -1
+        self._rate_t = 0.0
+        self.recent: deque[bool] = deque(maxlen=DIV_WINDOW)
+        self.matched = 0
+        self.mismatched = 0
+        self.foreign = 0
+        self.divergences = 0
+        self.resyncs = 0
+        # while diverged: the latest reads (file, whether an observed rank's front explained it), the
+        # newest file none explained, and how many reads in a row were explained
+        self._div_reads: deque[tuple[int, bool, float]] = deque(maxlen=2 * RESYNC_MATCHES)
+        self._unexplained: int | None = None
+        self._explained = 0
+
+    @property
+    def slack(self) -> int:
+        """How far past the front the reader can be without a read reaching us."""
+        return self.window + (self.beacon_every or 0)
+
+    def est_pos(self, now: float) -> float:
+        """Extrapolated position of the leading reader (entries consumed)."""
+        base = max(self.front, 0)
+        if self.rate <= 0 or self.front < 0:
+            return float(base)
+        return min(base + self.rate * max(0.0, now - self.t_front), float(base + self.slack))
+
+    def rank_at(self, q: int) -> int:
+        """The rank of access *q* (dense id; 0 without ranks)."""
+        return int(self.rank_of[q]) if self.rank_of is not None else 0
+
+    def slowest_with(self, q: int) -> int:
+        """The least of *q* and the other observed ranks' fronts: what a reader at *q* says about who
+        may still read what lies before it. A rank not seen yet holds nothing back, as for ``trail``:
+        a plan may name a rank that never reads."""
+        r = self.rank_at(q)
+        return min([q, *(f for i, f in enumerate(self.fronts) if i != r and f >= 0)])
+
+    def epoch_of(self, q: int) -> int:
+        """The epoch (index into the plan's epochs, 0 = its first) that access *q* lies in."""
+        return int(np.searchsorted(self._bounds, q, side="right")) - 1
+
+    def _last_of(self, r: int, e: int) -> int:
+        """Rank *r*'s last access in epoch *e* (ranks step in batches, so it is near the epoch's end)."""
+        key = (r, e)
+        got = self._last_in.get(key)
+        if got is None:
+            a, b = int(self._bounds[e]), int(self._bounds[min(e + 1, len(self._bounds) - 1)])
+            got = a - 1
+            step = 256
+            hi = b
+            while hi > a:
+                lo = max(a, hi - step)
+                seg = self.rank_of[lo:hi] if self.rank_of is not None else np.zeros(hi - lo, np.int32)
+                at = np.flatnonzero(seg == r)
+                if len(at):
+                    got = lo + int(at[-1])
+                    break
+                hi, step = lo, step * 4
+            self._last_in[key] = got
+        return got
+
+    def carried(self, r: int, now: float, max_jump: int) -> int:
+        """How far rank *r* can have read, unseen, since its last matched read: twice what the readers'
+        rate carries it in that time (reads served by the page cache do not arrive), at most *max_jump*;
+        0 while the rate is unknown."""
+        t = self._t_rank[r]
+        if t is None:
+            t = self.t_front
+        if self.rate <= 0:
+            return 0
+        return int(min(2.0 * self.rate * max(0.0, now - t), float(max_jump)))
+
+    def _match(self, fid: int, now: float, max_jump: int, unseen: bool = True) -> tuple[int, int]:
+        """``(position, round)`` of the access a read of *fid* is, or ``(NEVER, -1)``.
+
+        Reads do not say which rank sent them. A candidate (a predicted access of *fid*) of an observed
+        rank is never one that rank has passed (an epoch before the one it reads in, the epoch of its
+        furthest plausible matches; more than a window behind those, or ``2*window`` behind its
+        front; the rest of an epoch it read to the end of and then past) nor one more than an epoch
+        past that (a rank reads an epoch's files after all of the one before). Rounds, earliest
+        access first in each:
+
+        0. near its rank's front: at most ``2*window`` + :meth:`carried` past it, and in the front's
+           epoch, or in the next one when the rank's last access of the front's epoch is within
+           :meth:`carried` and half a window of where it has read (a rank finishes an epoch before it
+           starts the next);
+           not in the front's epoch when half of :meth:`carried` would have taken the rank a window
+           past the epoch's end (it finished the epoch unseen: that access came from the page cache);
+        1. of a rank not seen yet, in the leading front's epoch or before (ranks start at different
+           times, each at its first epoch; never into a later epoch);
+        2. an access a read took already, near its front (the same access read again, a second lookup);
+        3. further past its front, within *max_jump* of the leading front (a rank whose files came from
+           the page cache for a while, so that its front is stale), in its epoch, or in the next one
+           when the rank can have finished this one (as in round 0).
+
+        Without *unseen*, round 1 is left out: only observed ranks explain the read. A width from the
+        beacon spacing would, on a small dataset, cover every epoch of the plan."""
+        w2 = 2 * self.window
+        p = self.index.positions(fid)
+        lo = 0 if min(self.fronts) < 0 else max(0, self.trail - w2)
+        k = int(np.searchsorted(p, lo, side="left"))
+        limit = max(self.front, 0) + max_jump
+        e_lead = self.epoch_of(max(self.front, 0))
+        best = (9, int(NEVER))
+        for q in p[k : k + 64].tolist():
+            if q > limit:
+                break
+            r = self.rank_at(q)
+            fr = self.fronts[r]
+            eq = self.epoch_of(q)
+            taken = q in self._taken
+            if fr < 0:
+                if unseen and not taken and eq <= e_lead:
+                    best = min(best, (1, q))
+                continue
+            at = max(self._top[r], fr)  # where the rank has read (its front trails its newest reads)
+            ef = self.epoch_of(at)
+            # passed: before its epoch, or a window behind where it has read (its workers hold at most a
+            # window of its accesses at a time), or 2 windows behind its front
+            if eq < ef or q < max(fr - w2, self._top[r] - self.window) or eq > ef + 1:
+                continue
+            carried = self.carried(r, now, max_jump)
+            near = q <= fr + w2 + carried
+            # of its epoch, up to the rank's last access in it (half a window of slack: where it has read
+            # trails its newest read, and ranks read the leftover loader's same files, so a read of
+            # those may be put at the other rank's access)
+            last = self._last_of(r, ef)
+            left = last - at - max(1, self.window // 2)
+            if eq == ef and last - at <= self.window // 16 and self.epoch_of(max(self._plausible[r], default=-1)) > ef:
+                continue  # it read to its epoch's end and then in the next one: it is done with this one
+            can_be_in = eq == ef or left <= carried  # the next epoch: once it can have finished this one
+            if taken:
+                if near:
+                    best = min(best, (2, q))
+            elif near and (eq == ef + 1 and left <= carried or eq == ef and 2 * (left + w2) > carried):
+                best = min(best, (0, q))
+            elif can_be_in:
+                best = min(best, (3, q))
+            if best[0] == 0:
+                break
+        return (best[1], best[0]) if best[1] != NEVER else (int(NEVER), -1)
+
+    def _continues(self, fid: int, off: int | None, now: float) -> int | None:
+        """The access that a read at *off* (None: a lookup) of *fid* is part of, or None: within
+        ``CONTINUE_S`` of the file's last read or lookup, a read after a lookup (an open's lookup,
+        then its reads), or a read at *off* > 0 near where the last read ended. A lookup is always
+        a new access."""
+        got = self._reading.get(fid)
+        if got is None or off is None:
+            return None
+        q, end, t = got
+        if now - t > CONTINUE_S:
+            return None
+        return q if end < 0 or 0 < off <= end + CONTINUE_BYTES else None
+
+    def _took(self, fid: int, q: int, off: int | None, size: int, now: float) -> None:
+        """A read of *fid* at *off* (None: a lookup, which takes nothing) matched access *q*."""
+        if off is not None:
+            self._taken.add(q)
+        self._reading[fid] = (q, -1 if off is None else off + size, now)
+        self._reading.move_to_end(fid)
+        if len(self._reading) > READING_MAX:
+            self._reading.popitem(last=False)
+        if len(self._taken) > 4 * (2 * self.window + READING_MAX):
+            keep = max(0, self.trail - 4 * self.window)
+            self._taken = {x for x in self._taken if x >= keep}
+
+    def observe(self, fid: int, now: float, max_jump: int, off: int | None = None, size: int = 0) -> int | None:
+        """Match a read (*off*: its file offset, *size*: its length) or a lookup (*off* None) of *fid*;
+        returns its stream position or None. ``last_new`` says whether it was a new read or lookup (not
+        a later part of a read of the file), ``last_predicted`` whether the plan explained it near a front."""
+        self.last_new, self.last_predicted = True, False
+        if self.index.count(fid) == 0:
+            self.foreign += 1
+            return None
+        cont = self._continues(fid, off, now)
+        if cont is not None:
+            self.last_new = False
+            end = self._reading[fid][1]
+            if off is not None:  # a read: it takes the access (after a lookup), up to where it ends
+                self._taken.add(cont)
+                end = max(end, off + size)
+            self._reading[fid] = (cont, end, now)
+            return cont if self.state == SYNCED else None
+        if self.state == DIVERGED:
+            q = self._resync(fid, now, max_jump)
+            if q is not None:
+                self._took(fid, q, off, size, now)
+            return q
+        q, rnd = self._match(fid, now, max_jump)
+        ok = q != NEVER
+        self.recent.append(ok)
+        if ok:
+            self.matched += 1
+            self.last_predicted = rnd != 3
+            self._advance(q, now, plausible=rnd != 3)
+            self._took(fid, q, off, size, now)
+            return q
+        self.mismatched += 1
+        if self.recent.count(False) >= DIV_THRESHOLD:
+            self.state = DIVERGED
+            self.divergences += 1
+            self._div_reads.clear()
+            self._unexplained = None
+            self._explained = 0
+            log.warning("reads diverged from the plan near position %d (%d of the last %d reads unmatched); "
+                        "prefetch paused", self.front, self.recent.count(False), len(self.recent))
+        return None
+
+    def _advance(self, q: int, now: float, plausible: bool = True) -> None:
+        r = self.rank_at(q)
+        if plausible:
+            d = self._plausible[r]
+            d.append(q)
+            self._top[r] = max(self._top[r], sorted(d)[-2] if len(d) > 1 else q)
+        self._t_rank[r] = now
+        # a rank's front is the median of its last 5 matches (so it trails the newest match by two): on a small dataset a read can be
+        # ambiguous (attributed to another rank's later access); lone outliers must not move it
+        h = self._hist[r]
+        h.append(q)
+        robust = sorted(h)[len(h) // 2]
+        if robust > self.fronts[r]:
+            self.fronts[r] = robust
+            self.trail = min(f for f in self.fronts if f >= 0)
+        q = max(self.fronts)
+        if q <= self.front:
+            return
+        self.front = q
+        self.t_front = now
+        if self._rate_pos < 0:
+            self._rate_pos, self._rate_t = q, now
+            return
+        dt = now - self._rate_t
+        if dt >= 0.05:
+            inst = (q - self._rate_pos) / dt
+            self.rate = inst if self.rate <= 0 else 0.7 * self.rate + 0.3 * inst
+            self._rate_pos, self._rate_t = q, now
+
+    def _resync(self, fid: int, now: float, max_jump: int) -> int | None:
+        """A read while diverged: ``synced`` again once reads are consistent with the plan.
+
+        A read that an observed rank's front explains (``_match`` without its round for ranks not
+        seen yet: that rank may still follow the plan) moves that front only if near it (farther,
+        it may be chance), and ``RESYNC_MATCHES`` of those in a row end the divergence with every
+        front kept. Otherwise the whole plan is searched, earlier positions too (a job restarted
+        from a checkpoint on a mount that stayed up): a place fits where an access of the newest
+        read no front explains has accesses of ``RESYNC_MATCHES`` of the last ``2*RESYNC_MATCHES``
+        reads within the run's tolerance (see the module docstring), more than half of them reads no front explains
+        (reads of a rank that did not diverge may come between). Of the places that fit, the one
+        nearest the old front wins: each rank with reads there is re-anchored at its last one, the
+        other ranks keep their fronts (a rank that did not go back with the others)."""
+        q, rnd = self._match(fid, now, max_jump, unseen=False)
+        self._div_reads.append((fid, q != NEVER, now))
+        if q != NEVER:
+            if rnd != 3:  # near its front: followed
+                self.last_predicted = True
+                self._advance(q, now)
+            self._explained += 1
+            if self._explained >= RESYNC_MATCHES:
+                self._synced(now)
+                log.warning("reads match the plan again at its fronts (position %d); prefetch resumed", self.front)
+                return q
+        else:
+            self._explained = 0
+            self._unexplained = fid
+        if self._unexplained is None or len(self._div_reads) < RESYNC_MATCHES:
+            return None
+        # how far apart the run's reads may lie: the reorder window, plus what the readers' rate
+        # covers over the run (at most the beacon spacing); the spacing alone covers a small plan
+        span = now - self._div_reads[0][2]
+        tol = 2 * self.window + int(min(float(self.beacon_every or 0), 2.0 * max(self.rate, 0.0) * span))
+        anchors = self.index.positions(self._unexplained)[:MAX_ANCHORS]
+        near: list[np.ndarray] = []  # per recent read: its access near each anchor, or -1
+        fits = np.zeros(len(anchors), dtype=np.int64)
+        alone = np.zeros(len(anchors), dtype=np.int64)  # of the fits, reads no front explained
+        for f, explained, _ in self._div_reads:
+            p = self.index.positions(f)
+            k = np.minimum(np.searchsorted(p, anchors - tol, side="left"), len(p) - 1)
+            ok = np.abs(p[k] - anchors) <= tol
+            near.append(np.where(ok, p[k], -1))
+            fits += ok
+            if not explained:
+                alone += ok
+        good = np.flatnonzero((fits >= RESYNC_MATCHES) & (2 * alone > RESYNC_MATCHES))
+        if not len(good):
+            return None
+        old = max(self.front, 0)
+        j = int(min(good.tolist(), key=lambda i: (abs(int(anchors[i]) - old), int(anchors[i]))))
+        anchor = int(anchors[j])
+        last: dict[int, int] = {}  # rank -> its last access in the run
+        for acc in near:
+            a = int(acc[j])
+            if a >= 0:
+                r = self.rank_at(a)
+                last[r] = max(last.get(r, a), a)
+        for r, a in last.items():
+            self.fronts[r] = a
+            self._hist[r] = deque([a], maxlen=5)
+            self._top[r], self._t_rank[r] = a, now
+            self._plausible[r] = deque([a], maxlen=5)
+        self.fronts = [f if f >= 0 else anchor for f in self.fronts]
+        self._taken.clear()  # the readers may read those accesses again (a job restarted)
+        self._reading.clear()
+        self.last_predicted = True
+        self._synced(now)
+        log.warning("reads match the plan again at position %d; prefetch resumed", anchor)
+        cur = int(near[-1][j])
+        return cur if cur >= 0 else None
+
+    def _synced(self, now: float) -> None:
+        """Back to ``synced`` with the current fronts."""
+        self.state = SYNCED
+        self.resyncs += 1
+        self.recent.clear()
+        self.front = max(self.fronts)
+        self.trail = min(f for f in self.fronts if f >= 0)  # a rank not seen yet holds nothing back
+        self.t_front = now
+        self._rate_pos, self._rate_t = self.front, now
+
+    def stats(self) -> dict:
+        return {
+            "state": self.state,
+            "front": self.front,
+            "trail": self.trail,
+            "rank_fronts": list(self.fronts)[:64],
+            "rate_entries_s": round(self.rate, 1),
+            "matched": self.matched,
+            "mismatched": self.mismatched,
+            "foreign": self.foreign,
+            "divergences": self.divergences,
+            "resyncs": self.resyncs,
+        }
+
