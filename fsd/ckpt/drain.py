@@ -1,45 +1,77 @@
-"""Background copy of finished checkpoints to the backing directory.
+"""The backing directory's writer: finished checkpoints copied there, and the view's changes of
+backing files (unlink, rename, rmdir, chmod/utime) applied there, in one ordered queue.
 
-A file is *finished* when it is closed and its complete manifest is durable.
-The drainer copies it, stripe by stripe straight from the devices (its own fds,
-worker thread), to the same relative path under the backing directory fd:
-``<name>.fsd-drain.tmp``, fsync, rename, fsync dir, so the backing copy is
-never half-written either. If the file changes, is renamed or unlinked while
-copying, the copy is dropped (a changed file is submitted again when it is
-finished again). One file at a time: draining must not steal flush bandwidth.
+A file is *finished* when it is closed and its complete manifest is durable. The drainer copies
+it, stripe by stripe straight from the devices (its own fds, worker thread), to the same relative
+path under the backing directory fd: ``<name>.fsd-drain.tmp``, fsync, then its mode and times,
+rename over the name, fsync the directory: the backing directory never holds a half-written file
+under a real name, and an older backing file is replaced only once the new one is durable there.
+A copy whose backing file already has the size and mtime is skipped (drained by an earlier mount).
+If the file changes, is renamed or unlinked before its turn, the job is skipped (it is submitted
+again when finished again, under its new name). One job at a time: draining must not steal flush
+bandwidth, and the order of the view's changes is kept.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
 from fsd.ckpt.manifest import DATA_DIR, data_name
-
-if TYPE_CHECKING:
-    from fsd.ckpt.namespace import Namespace, Node
+from fsd.ckpt.striping import Layout
 
 log = logging.getLogger(__name__)
 
 COPY_BLOCK = 8 << 20
+TMP_SUFFIX = ".fsd-drain.tmp"
 
 
-def _open_parent(root_fd: int, rel: str) -> tuple[int, str]:
+@dataclass(frozen=True)
+class DrainJob:
+    """One change for the backing directory, with what the drainer needs taken at submit time.
+
+    *op* ``copy``: file *id* (version, size, layout, mode, times) to *rel*; ``unlink``/``rmdir``:
+    remove *rel*; ``rename``: *rel* to *dst*; ``meta``: set *mode* and times of *rel*."""
+
+    id: int
+    version: int
+    rel: str  # path under the backing directory
+    size: int = 0
+    layout: Layout | None = None
+    op: str = "copy"
+    dst: str = ""
+    mode: int = 0o644
+    mtime_ns: int = 0
+    atime_ns: int = 0
+
+
+class Aborted(Exception):
+    """The copy was stopped (unmount without waiting for the drain)."""
+
+
+def _open_parent(root_fd: int, rel: str, create: bool = True) -> tuple[int, str]:
     """(fd of *rel*'s parent under *root_fd*, created as needed; base name)."""
     parts = [p for p in rel.split("/") if p]
     fd = os.dup(root_fd)
     try:
         for p in parts[:-1]:
-            try:
-                os.mkdir(p, 0o755, dir_fd=fd)
-            except FileExistsError:
-                pass
+            if create:
+                try:
+                    os.mkdir(p, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass
             nfd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
             os.close(fd)
             fd = nfd
@@ -49,33 +81,65 @@ def _open_parent(root_fd: int, rel: str) -> tuple[int, str]:
     return fd, parts[-1]
 
 
-def copy_out(device_roots: list[Path], node_id: int, layout: Any, size: int, rel: str,
-             backing_fd: int) -> None:
-    """Blocking: copy a finished file's stripes to *rel* under *backing_fd*."""
-    devs = [d / DATA_DIR / data_name(node_id) for d in device_roots]
-    fds: dict[int, int] = {}
-    pfd, base = _open_parent(backing_fd, rel)
-    tmp = base + ".fsd-drain.tmp"
+def is_drained(backing_fd: int, rel: str, size: int, mtime_ns: int) -> bool:
+    """Blocking: whether *rel* in the backing directory is a drained copy (its size and mtime)."""
     try:
-        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644, dir_fd=pfd)
-        try:
-            buf = bytearray(COPY_BLOCK)
-            view = memoryview(buf)
-            off = 0
-            while off < size:
-                n = min(COPY_BLOCK, size - off)
-                for ext in layout.extents(off, n):
-                    if ext.device not in fds:
-                        fds[ext.device] = os.open(devs[ext.device], os.O_RDONLY | os.O_CLOEXEC)
-                    rel_off = ext.file_off - off
-                    got = os.preadv(fds[ext.device], [view[rel_off:rel_off + ext.length]], ext.local_off)
-                    if got < ext.length:  # a hole at the end of a device file reads as zero
-                        view[rel_off + got:rel_off + ext.length] = bytes(ext.length - got)
-                os.write(out, view[:n])
-                off += n
-            os.fsync(out)
-        finally:
-            os.close(out)
+        st = os.stat(rel, dir_fd=backing_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return st.st_size == size and st.st_mtime_ns == mtime_ns
+
+
+def copy_out(device_roots: list[Path], job: DrainJob, backing_fd: int,
+             stop: threading.Event | None = None, progress: Callable[[int], None] | None = None) -> None:
+    """Blocking: copy a finished file's stripes to ``job.rel`` under *backing_fd*."""
+    assert job.layout is not None
+    devs = [d / DATA_DIR / data_name(job.id) for d in device_roots]
+    fds: dict[int, int] = {}
+    pfd, base = _open_parent(backing_fd, job.rel)
+    tmp = base + TMP_SUFFIX
+    bufs = [bytearray(COPY_BLOCK), bytearray(COPY_BLOCK)]
+
+    def fill(i: int, off: int) -> int:
+        """Read file bytes [off, off+COPY_BLOCK) into buffer *i*; returns how many."""
+        n = min(COPY_BLOCK, job.size - off)
+        view = memoryview(bufs[i])
+        assert job.layout is not None
+        for ext in job.layout.extents(off, n):
+            if ext.device not in fds:
+                fds[ext.device] = os.open(devs[ext.device], os.O_RDONLY | os.O_CLOEXEC)
+            rel_off = ext.file_off - off
+            got = os.preadv(fds[ext.device], [view[rel_off:rel_off + ext.length]], ext.local_off)
+            if got < ext.length:  # a hole at the end of a device file reads as zero
+                view[rel_off + got:rel_off + ext.length] = bytes(ext.length - got)
+        return n
+
+    try:
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600, dir_fd=pfd)
+        # the next block is read from the devices while this one is written to the backing store
+        with ThreadPoolExecutor(1, thread_name_prefix="fsd-drain-read") as pool:
+            try:
+                off, i = 0, 0
+                nxt = pool.submit(fill, 0, 0) if job.size else None
+                while nxt is not None:
+                    if stop is not None and stop.is_set():
+                        raise Aborted(job.rel)
+                    n = nxt.result()
+                    nxt = pool.submit(fill, 1 - i, off + n) if off + n < job.size else None
+                    with memoryview(bufs[i]) as view:
+                        _write_all(out, view[:n])
+                    # start its write-back now: the store writes while the next block is read,
+                    # instead of all of it at the fsync
+                    _start_writeback(out, off, n)
+                    off += n
+                    i = 1 - i
+                    if progress is not None:
+                        progress(n)
+                os.fchmod(out, job.mode & 0o7777)
+                os.utime(out, ns=(job.atime_ns or job.mtime_ns, job.mtime_ns))
+                os.fsync(out)
+            finally:
+                os.close(out)
         os.rename(tmp, base, src_dir_fd=pfd, dst_dir_fd=pfd)
         os.fsync(pfd)
     except BaseException:
@@ -90,75 +154,190 @@ def copy_out(device_roots: list[Path], node_id: int, layout: Any, size: int, rel
         os.close(pfd)
 
 
-class Drainer:
-    """Copies finished checkpoint files to the backing directory, one at a time."""
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+SYNC_FILE_RANGE_WRITE = 2
 
-    def __init__(self, ns: "Namespace", backing_fd: int) -> None:
-        self.ns = ns
+
+def _start_writeback(fd: int, off: int, n: int) -> None:
+    """Start writing [off, off+n) of *fd* back to its store without waiting (sync_file_range)."""
+    _libc.sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)  # a failure only loses the overlap
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    """os.write until all of *view* is written."""
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def apply_change(job: DrainJob, backing_fd: int) -> None:
+    """Blocking: apply an unlink, rmdir, rename or meta job; what is already gone is no error."""
+    try:
+        pfd, base = _open_parent(backing_fd, job.rel, create=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    try:
+        if job.op == "unlink":
+            os.unlink(base, dir_fd=pfd)
+        elif job.op == "rmdir":
+            os.rmdir(base, dir_fd=pfd)
+        elif job.op == "meta":
+            os.chmod(base, job.mode & 0o7777, dir_fd=pfd, follow_symlinks=False)
+            os.utime(base, ns=(job.atime_ns, job.mtime_ns), dir_fd=pfd, follow_symlinks=False)
+        elif job.op == "rename":
+            dfd, dbase = _open_parent(backing_fd, job.dst)
+            try:
+                os.rename(base, dbase, src_dir_fd=pfd, dst_dir_fd=dfd)
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        os.fsync(pfd)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        pass
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EISDIR):
+            raise
+    finally:
+        os.close(pfd)
+
+
+class Drainer:
+    """Applies drain jobs to the backing directory, one at a time, in order.
+
+    *current* tells whether a copy job still describes the file under its name (not changed,
+    renamed or unlinked since it was submitted); one that is not is skipped, and a copy made while
+    it stopped being current is not counted as drained.
+    """
+
+    def __init__(self, device_roots: list[Path], backing_fd: int, current: Callable[[DrainJob], bool]) -> None:
+        self.device_roots = device_roots
         self.backing_fd = backing_fd
-        self._send, self._recv = trio.open_memory_channel[tuple["Node", int]](10_000)
+        self.current = current
+        self.renamed: Callable[[str, str], None] = lambda src, dst: None
+        self._send, self._recv = trio.open_memory_channel[DrainJob](100_000)
         self.limiter = trio.CapacityLimiter(1)
         self.drained: dict[str, dict[str, Any]] = {}
         self.queued = 0
+        self.queued_bytes = 0
         self.bytes = 0
+        self.copy_s = 0.0  # time spent copying
         self.errors: dict[str, str] = {}
         self._idle = trio.Event()
+        self._progress = trio.Event()
         self._busy = 0
         self._stopping = False
+        self._stop_copy = threading.Event()
+        self._submitted: deque[float] = deque()  # monotonic submit times of queued jobs, oldest first
+        self._copied: dict[int, tuple[int, str]] = {}  # node id -> (version, path) in the backing dir
 
-    def submit(self, node: "Node") -> None:
-        """Queue a finished file (loop only)."""
+    def submit(self, job: DrainJob) -> None:
+        """Queue a job (loop only)."""
         try:
-            self._send.send_nowait((node, node.version))
+            self._send.send_nowait(job)
+            self._submitted.append(time.monotonic())
             self.queued += 1
             self._busy += 1
-        except trio.WouldBlock:
-            log.warning("drain queue full; %s not drained", self.ns.path(node))
+            if job.op == "copy":
+                self.queued_bytes += job.size
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            log.warning("drain queue full or closed; %s %s not applied", job.op, job.rel)
+
+    def is_drained(self, node_id: int, version: int, rel: str) -> bool:
+        """Whether this version of the file is in the backing directory under *rel*."""
+        return self._copied.get(node_id) == (version, rel)
 
     async def run(self) -> None:
-        """Background task: drain queued files until stopped."""
-        async for node, version in self._recv:
+        """Background task: apply queued jobs until stopped."""
+        async for job in self._recv:
             try:
                 if not self._stopping:
-                    await self._one(node, version)
+                    await self._one(job)
+            except Exception as e:  # a bug must not end the mount: report it as the job's error
+                log.exception("drain: %s of %s failed", job.op, job.rel)
+                self.errors[job.rel] = f"{job.op}: {e!r}"
             finally:
                 self._busy -= 1
                 self.queued -= 1
+                self._submitted.popleft()
+                if job.op == "copy":
+                    self.queued_bytes -= job.size
+                self._progress.set()
+                self._progress = trio.Event()
                 if not self._busy:
                     self._idle.set()
                     self._idle = trio.Event()
 
-    async def _one(self, node: "Node", version: int) -> None:
-        ns = self.ns
-        if not (node.linked and node.published and node.version == version and node.fs is not None):
+    async def _one(self, job: DrainJob) -> None:
+        if job.op != "copy":
+            try:
+                await trio.to_thread.run_sync(apply_change, job, self.backing_fd, limiter=self.limiter)
+            except OSError as e:
+                self.errors[job.rel] = f"{job.op}: {os.strerror(e.errno or errno.EIO)}"
+                log.error("drain: %s of %s failed: %s", job.op, job.rel, e)
+                return
+            if job.op == "rename":
+                self.renamed(job.rel, job.dst)
+                for nid, (v, rel) in list(self._copied.items()):
+                    if rel == job.rel or rel.startswith(job.rel + "/"):
+                        self._copied[nid] = (v, job.dst + rel[len(job.rel):])
             return
-        rel = ns.path(node)
-        size, layout = node.fs.size, node.fs.layout
+        if not self.current(job):
+            return
+        rel = job.rel
+        if self.is_drained(job.id, job.version, rel):  # closed again unchanged
+            return
         t0 = time.perf_counter()
         try:
-            await trio.to_thread.run_sync(copy_out, ns.device_roots, node.id, layout, size, rel,
-                                          self.backing_fd, limiter=self.limiter)
+            done = await trio.to_thread.run_sync(is_drained, self.backing_fd, rel, job.size, job.mtime_ns,
+                                                 limiter=self.limiter)
+            if not done:
+                await trio.to_thread.run_sync(copy_out, self.device_roots, job, self.backing_fd, self._stop_copy,
+                                              limiter=self.limiter, abandon_on_cancel=True)
+        except Aborted:
+            return
         except OSError as e:
             self.errors[rel] = f"{os.strerror(e.errno or errno.EIO)}: {e}"
             log.error("drain of %s failed: %s", rel, e)
             return
-        if node.linked and node.version == version and ns.path(node) == rel:
+        if self.current(job):
             dt = time.perf_counter() - t0
-            self.drained[rel] = {"bytes": size, "seconds": round(dt, 3), "unix": time.time()}
-            self.bytes += size
+            if not done:
+                self.drained[rel] = {"bytes": job.size, "seconds": round(dt, 3), "unix": time.time()}
+                self.bytes += job.size
+                self.copy_s += dt
+            self._copied[job.id] = (job.version, rel)
             self.errors.pop(rel, None)
 
+    async def progressed(self) -> None:
+        """Wait until the next job has been handled."""
+        await self._progress.wait()
+
     async def wait_idle(self) -> None:
-        """Wait until every queued file has been handled."""
+        """Wait until every queued job has been handled."""
         while self._busy:
             await self._idle.wait()
 
-    async def stop(self) -> None:
-        """Finish what is queued, then stop accepting."""
-        await self.wait_idle()
+    async def stop(self, *, wait: bool = True) -> None:
+        """Finish what is queued (unless not *wait*: then the copy in progress stops, its
+        temporary file is removed, and a later mount drains what is left), then stop accepting."""
+        if wait:
+            last = 0.0
+            while self._busy:
+                if time.monotonic() - last > 5:
+                    last = time.monotonic()
+                    log.info("unmount: %d drain jobs, %.1f MB left to drain", self.queued, self.queued_bytes / 1e6)
+                with trio.move_on_after(5):
+                    await self._idle.wait()
+        else:
+            log.info("unmount without waiting: %.1f MB left to drain at the next mount", self.queued_bytes / 1e6)
+            self._stop_copy.set()
         self._stopping = True
         await self._send.aclose()
 
     def status(self) -> dict[str, Any]:
-        """Drained files, queue length, errors."""
-        return {"drained": self.drained, "queued": self.queued, "bytes": self.bytes, "errors": self.errors}
+        """Drained files, what is queued (jobs, bytes, age of the oldest), rate, errors."""
+        lag = time.monotonic() - self._submitted[0] if self._submitted else 0.0
+        return {"drained": self.drained, "queued": self.queued, "queued_bytes": self.queued_bytes,
+                "lag_s": round(lag, 3),
+                "bytes": self.bytes, "rate_MBps": round(self.bytes / self.copy_s / 1e6, 1) if self.copy_s else 0.0,
+                "errors": self.errors}

@@ -53,6 +53,8 @@ class Manifest:
     uid: int = 0
     gid: int = 0
     mtime_ns: int = 0
+    atime_ns: int = 0  # 0 in manifests written before atime and ctime were kept: use mtime
+    ctime_ns: int = 0
     size: int = 0
     stripe_size: int = 0
     start: int = 0
@@ -79,7 +81,12 @@ class Manifest:
             raise ManifestError("manifest CRC mismatch")
         try:
             d = json.loads(body)
-            m = cls(**d)
+            if not isinstance(d, dict):
+                raise TypeError("not an object")
+            known = cls.__dataclass_fields__
+            # fields added by a later fsd are ignored: a manifest must never be dropped (and its
+            # data deleted by recovery) only because it carries more than this version knows
+            m = cls(**{k: v for k, v in d.items() if k in known})
         except (TypeError, ValueError) as e:
             raise ManifestError(f"bad manifest body: {e}") from e
         if m.version != 1 or m.kind not in ("file", "dir"):

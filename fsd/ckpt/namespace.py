@@ -1,14 +1,14 @@
 """The checkpoint mount's namespace: its files and directories, their names, and the order in
 which manifests make each change durable.
 
-No FUSE here. :mod:`fsd.ckptfs` translates requests into these calls; tests drive it directly.
-File data goes through :mod:`fsd.writeback`, durable metadata through :mod:`fsd.manifest`, and
-finished files to :mod:`fsd.drain`. Errors are ``OSError`` with an errno.
+No FUSE here. :mod:`fsd.ckpt.operations` translates requests into these calls; tests drive it directly.
+File data goes through :mod:`fsd.ckpt.writeback`, durable metadata through :mod:`fsd.ckpt.manifest`, and
+finished files to :mod:`fsd.ckpt.drain`. Errors are ``OSError`` with an errno.
 
 Durability rules (why the ordering below is safe after kill -9):
 
 * A file's manifest is *complete* only when its data up to ``size`` has been
-  fdatasync'ed on every device; then it owns its name (see :mod:`fsd.recovery`).
+  fdatasync'ed on every device; then it owns its name (see :mod:`fsd.ckpt.recovery`).
 * create writes a non-durable ``writing`` manifest (so a crash can report the
   file by name); the first modification of a complete file durably marks it
   ``writing`` before any new byte can reach a device.
@@ -17,6 +17,9 @@ Durability rules (why the ordering below is safe after kill -9):
 * mkdir/rmdir/unlink/rename are durable when they return. rename first makes
   the source's data durable, then publishes it under the new name, then removes
   the replaced node's manifest: a crash leaves the old or the new state.
+* chmod/chown/utime (files and directories) are published with the node's next
+  complete manifest: at fsync/fsyncdir, the last writer's close, unmount, and in
+  the background at once when no writer has the node open.
 
 The namespace is kept in the manifests on the devices (recovered at start).
 """
@@ -28,55 +31,37 @@ import logging
 import os
 import stat
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from fsd.ckpt.backing import BackingReader, scan
+from fsd.ckpt.drain import Drainer
+from fsd.ckpt.drain_feed import DrainFeed
+from fsd.ckpt.file_state import FileState
 from fsd.ckpt.manifest import ROOT_ID, STATE_COMPLETE, STATE_WRITING, Manifest, MetaStore
+from fsd.ckpt.node import RELATIME_NS, Node, check_name, setid_to_clear
+from fsd.ckpt.node import error as _error
 from fsd.ckpt.recovery import recover
+from fsd.ckpt.space import SpaceManager
 from fsd.ckpt.striping import Layout
-from fsd.ckpt.writeback import FileState, WriteBack
+from fsd.ckpt.tasks import Tasks
+from fsd.ckpt.tree import Tree
+from fsd.ckpt.union import UnionView
+from fsd.ckpt.writeback import WriteBack
 
 log = logging.getLogger(__name__)
-
-
-def _error(code: int, what: str = "") -> OSError:
-    return OSError(code, os.strerror(code) + (f": {what}" if what else ""))
-
-
-@dataclass
-class Node:
-    """One file or directory of the checkpoint namespace."""
-
-    id: int
-    kind: str  # "file" | "dir"
-    parent: int
-    name: bytes
-    mode: int
-    uid: int
-    gid: int
-    mtime_ns: int
-    fs: FileState | None = None
-    children: dict[bytes, int] | None = None
-    nlookup: int = 0
-    open_count: int = 0
-    writers: int = 0
-    recorded: bool = False  # some manifest of it exists on the devices
-    published: bool = False  # a complete manifest matches the durable content
-    modified: bool = False  # changed since the last complete publish
-    linked: bool = True  # reachable by a name
-    finishing: bool = False  # a background close-publish is running
-    version: int = 0  # bumped on every modification (drain uses it)
-    error: str | None = None
 
 
 class Namespace:
     """Files and directories striped over *device_roots*, recovered from their manifests."""
 
     def __init__(self, device_roots: list[Path], *, stripe_size: int, dirty_limit: int,
-                 threads_per_device: int, chunk_size: int, drain_fd: int | None = None) -> None:
+                 threads_per_device: int, chunk_size: int, backing_fd: int | None = None, drain: bool = False,
+                 drain_fd: int | None = None, keep_on_devices: int = 2) -> None:
+        if drain_fd is not None:
+            backing_fd, drain = drain_fd, True
         self.device_roots = list(device_roots)
         self.stripe_size = stripe_size
         rec = recover(self.device_roots)
@@ -87,56 +72,73 @@ class Namespace:
         self.meta = MetaStore(self.device_roots, rec.next_seq)
         self.meta.on_error = self._manifest_error
         self.next_id = rec.next_id
+        self._uid_index = {u: i for i, u in enumerate(self.device_ids)}
         self.failed: dict[str, str] = {}
-        now = time.time_ns()
-        self.nodes: dict[int, Node] = {
-            ROOT_ID: Node(ROOT_ID, "dir", ROOT_ID, b"", 0o755, os.getuid(), os.getgid(), now, children={})
-        }
-        self._load(rec.nodes)
-        self._nursery: trio.Nursery | None = None
-        self._finishing = 0
-        self._finished = trio.Event()
-        self.drainer: Any = None
-        if drain_fd is not None:
-            from fsd.ckpt.drain import Drainer
+        self.tree = Tree()
+        self.nodes = self.tree.nodes
+        self.tree.load(rec.nodes, self._load_file)
+        # lookups are the tree's (node, directory, entry of a directory, path: see fsd.ckpt.tree)
+        self.node, self.directory = self.tree.node, self.tree.directory
+        self.child, self.path = self.tree.child, self.tree.path
+        self.tasks = Tasks()
+        self.drainer: Drainer | None = None
+        self.feed: DrainFeed | None = None
+        self.union: UnionView | None = None
+        self.wait_drain = True  # unmount waits for the drain (``fsd unmount --no-wait-drain``: not)
+        if backing_fd is not None:
+            self.drainer = Drainer(self.device_roots, backing_fd, lambda job: False)
+            self.feed = DrainFeed(self.tree, self.drainer, copies=drain)
+            self.union = UnionView(self.tree, self.wb, BackingReader(backing_fd), stripe_size=stripe_size,
+                                   devices=len(self.device_roots), new_id=self._new_id, publish=self._publish,
+                                   lock=self.meta.lock)
+            self.union.merge(scan(backing_fd))
+        self.space = SpaceManager(self.tree, self.wb, self.meta, self.feed, keep=keep_on_devices) if (
+            self.feed is not None and drain) else None
 
-            self.drainer = Drainer(self, drain_fd)
+    def _new_id(self) -> int:
+        nid = self.next_id
+        self.next_id += 1
+        return nid
 
-    def _load(self, recovered: dict[int, Manifest]) -> None:
-        uid_index = {u: i for i, u in enumerate(self.device_ids)}
-        for m in recovered.values():
-            node = Node(m.id, m.kind, m.parent, os.fsencode(m.name), m.mode, m.uid, m.gid, m.mtime_ns,
-                        recorded=True, published=True)
-            if m.kind == "dir":
-                node.children = {}
-            else:
-                # a manifest names devices by uuid; map back to this mount's device order
-                order = [uid_index.get(u, -1) for u in m.devices]
-                if order != list(range(len(self.device_ids))):
-                    node.error = "written with a different device set; unreadable"
-                    self.failed[m.name] = node.error
-                layout = Layout(m.stripe_size, len(m.devices), m.start)
-                node.fs = self.wb.add_file(FileState(m.id, layout, size=m.size, label=m.name, on_device=True))
-            self.nodes[m.id] = node
-        for node in self.nodes.values():
-            if node.id != ROOT_ID:
-                parent = self.nodes[node.parent]
-                assert parent.children is not None
-                parent.children[node.name] = node.id
+    def _load_file(self, node: Node, m: Manifest) -> None:
+        """A recovered file's data state; a manifest names devices by uuid, mapped back to this
+        mount's device order."""
+        order = [self._uid_index.get(u, -1) for u in m.devices]
+        if order != list(range(len(self.device_ids))):
+            node.error = "written with a different device set; unreadable"
+            self.failed[m.name] = node.error
+        layout = Layout(m.stripe_size, len(m.devices), m.start)
+        node.fs = self.wb.add_file(FileState(m.id, layout, size=m.size, label=m.name, on_device=True))
 
     # -- lifecycle --------------------------------------------------------------
     async def start(self, nursery: trio.Nursery) -> None:
         """Start the flusher threads and the drain task (which gets every published file)."""
-        self._nursery = nursery
+        self.tasks.nursery = nursery
         self.wb.start(nursery)
-        if self.drainer is not None:
+        self.start_drain(nursery)
+        if self.space is not None:
+            nursery.start_soon(self.space.run)
+
+    def start_drain(self, nursery: trio.Nursery) -> None:
+        """Start the backing directory's reader and the drain task (which gets every published file)."""
+        if self.drainer is not None and self.feed is not None and self.union is not None:
+            self.union.reader.nursery = nursery
             nursery.start_soon(self.drainer.run)
-            for node in self.nodes.values():
-                if node.kind == "file" and node.published:
-                    self.drainer.submit(node)
+            self.feed.submit_tree()
 
     async def stop(self) -> None:
-        """Make every file durable and published, then stop the threads."""
+        """Make every file durable and published, finish the drain, then stop the threads."""
+        await self.settle()
+        await self.stop_drain()
+        await self.wb.stop()
+
+    async def stop_drain(self) -> None:
+        """Finish the drain queue (or leave it to the next mount: ``wait_drain`` false)."""
+        if self.drainer is not None:
+            await self.drainer.stop(wait=self.wait_drain)
+
+    async def settle(self) -> None:
+        """Make every file durable and published, its metadata too (the first step of unmount)."""
         for node in list(self.nodes.values()):
             if node.kind == "file" and node.linked and node.modified and node.fs and node.fs.error is None:
                 try:
@@ -144,60 +146,22 @@ class Namespace:
                 except OSError as e:
                     log.error("could not make %s durable at stop: %s", self.path(node), e)
         await self.wait_finished()
-        if self.drainer is not None:
-            await self.drainer.stop()
-        await self.wb.stop()
+        for node in list(self.nodes.values()):
+            if node.meta_dirty:
+                try:
+                    await self._publish_meta(node)
+                except OSError as e:
+                    log.error("could not publish the metadata of %s at stop: %s", self.path(node), e)
 
     async def wait_finished(self) -> None:
         """Wait for the background publishes that closes started."""
-        while self._finishing:
-            await self._finished.wait()
-
-    # -- lookups ------------------------------------------------------------------
-    def node(self, inode: int) -> Node:
-        """The node *inode*, or ENOENT."""
-        node = self.nodes.get(inode)
-        if node is None:
-            raise _error(errno.ENOENT)
-        return node
-
-    def directory(self, inode: int) -> Node:
-        """The directory *inode*, or ENOENT/ENOTDIR."""
-        node = self.node(inode)
-        if node.children is None:
-            raise _error(errno.ENOTDIR)
-        return node
-
-    def child(self, parent: Node, name: bytes) -> Node:
-        """The entry *name* of directory *parent*, or ENOENT."""
-        assert parent.children is not None
-        nid = parent.children.get(name)
-        if nid is None:
-            raise _error(errno.ENOENT)
-        return self.nodes[nid]
-
-    def path(self, node: Node) -> str:
-        """*node*'s path from the mount root (its last one, once unlinked)."""
-        parts: list[bytes] = []
-        n = node
-        while n.id != ROOT_ID:
-            parts.append(n.name)
-            n = self.nodes.get(n.parent, self.nodes[ROOT_ID])
-        return os.fsdecode(b"/".join(reversed(parts)))
-
-    def is_ancestor(self, a: Node, b: Node) -> bool:
-        """Whether directory *a* is *b* or contains it."""
-        n = b
-        while True:
-            if n.id == a.id:
-                return True
-            if n.id == ROOT_ID:
-                return False
-            n = self.nodes[n.parent]
+        await self.tasks.wait()
 
     # -- changes of the namespace (durable when they return) ---------------------------
     async def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
         """A new directory, durable before any child can name it."""
+        check_name(name)
+        await self._materialize(parent)
         async with self.meta.lock:
             assert parent.children is not None
             if name in parent.children:
@@ -205,7 +169,7 @@ class Namespace:
             node = self._new_node(parent, name, "dir", mode, uid, gid)
             await self._publish(node, STATE_COMPLETE)
             node.published = True
-            self._attach(parent, node)
+            self.tree.attach(parent, node)
         return node
 
     async def rmdir(self, parent: Node, name: bytes) -> None:
@@ -216,8 +180,10 @@ class Namespace:
                 raise _error(errno.ENOTDIR)
             if node.children:
                 raise _error(errno.ENOTEMPTY)
-            await self.meta.remove(node.id)
-            self._detach(node)
+            if node.recorded:
+                await self.meta.remove(node.id)
+            self.tree.detach(node)
+        self._backing_change("rmdir", node)
         self._maybe_free(node)
 
     async def unlink(self, parent: Node, name: bytes) -> None:
@@ -229,7 +195,9 @@ class Namespace:
             if node.recorded:
                 await self.meta.remove(node.id)
                 node.recorded = node.published = False
-            self._detach(node)
+            self.tree.detach(node)
+            node.ctime_ns = time.time_ns()
+        self._backing_change("unlink", node)
         self._maybe_free(node)
 
     async def rename(self, src_dir: Node, name_old: bytes, dst_dir: Node, name_new: bytes, *,
@@ -238,8 +206,11 @@ class Namespace:
 
         The new name never shows a half-written file: the source's data is made durable first."""
         assert src_dir.children is not None and dst_dir.children is not None
+        check_name(name_new)
         node = self.child(src_dir, name_old)
         sid = node.id
+        if not node.backing:
+            await self._materialize(dst_dir)
         if node.fs is not None and node.modified and node.fs.error is None:
             await self.wb.sync(node.fs)
         async with self.meta.lock:
@@ -259,55 +230,121 @@ class Namespace:
                         raise _error(errno.ENOTEMPTY)
                 elif node.children is not None:
                     raise _error(errno.ENOTDIR)
-            if node.children is not None and self.is_ancestor(node, dst_dir):
+            if node.children is not None and self.tree.is_ancestor(node, dst_dir):
                 raise _error(errno.EINVAL, "a directory cannot move into itself")
-            old_parent, old_name = node.parent, node.name
+            old_parent, old_name, old_ctime = node.parent, node.name, node.ctime_ns
             node.parent, node.name = dst_dir.id, name_new
+            node.ctime_ns = time.time_ns()
             if node.fs is not None:
                 node.fs.label = os.fsdecode(name_new)
-            complete = node.children is not None or (node.writers == 0 and self._clean(node))
+            complete = node.children is not None or node.backing or (node.writers == 0 and self._clean(node))
+            old_path = self.tree.path(self.nodes[src_dir.id]) + "/" + os.fsdecode(old_name)
             try:
-                await self._publish(node, STATE_COMPLETE if complete else STATE_WRITING)
+                if not node.backing:
+                    await self._publish(node, STATE_COMPLETE if complete else STATE_WRITING)
             except BaseException:
-                node.parent, node.name = old_parent, old_name
+                node.parent, node.name, node.ctime_ns = old_parent, old_name, old_ctime
                 raise
-            node.published = complete
+            node.published = complete and not node.backing
             if complete:
                 node.modified = False
             del src_dir.children[old_name]
-            src_dir.mtime_ns = time.time_ns()
+            src_dir.mtime_ns = src_dir.ctime_ns = node.ctime_ns
             if victim is not None:
+                victim.ctime_ns = node.ctime_ns
                 if victim.recorded:
                     # after the new manifest is durable: a crash in between leaves two
                     # claimants and recovery keeps the newer one
                     await self.meta.remove(victim.id)
                     victim.recorded = victim.published = False
                 victim.linked = False
-            self._attach(dst_dir, node)
+            self.tree.attach(dst_dir, node)
         if victim is not None:
             self._maybe_free(victim)
-        if complete and node.fs is not None and self.drainer is not None and node.writers == 0:
-            self.drainer.submit(node)
+        if self.feed is not None:
+            self.feed.change("rename", node, old_path.lstrip("/"), self.path(node))
+            if node.children is not None:
+                self.feed.submit_tree(node)
+            elif complete and node.writers == 0:
+                self.feed.submit(node)
 
     async def create(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
         """A new empty file. Its manifest is not durable: it only lets recovery name the file if a
         crash cuts it short. If that write fails, the name does not appear."""
+        check_name(name)
+        await self._materialize(parent)
         async with self.meta.lock:
             assert parent.children is not None
             if name in parent.children:
                 raise _error(errno.EEXIST)
             node = self._new_node(parent, name, "file", mode, uid, gid)
             node.modified = True
-            self._attach(parent, node)
+            self.tree.attach(parent, node)
             try:
                 await self._publish(node, STATE_WRITING, durable=False)
             except OSError:
-                self._detach(node)
+                self.tree.detach(node)
                 self.nodes.pop(node.id, None)
                 if node.fs is not None:
                     await self.wb.discard(node.fs)
                 raise
         return node
+
+    async def mknod(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
+        """A new empty regular file that no handle holds: published in the background, as a close would."""
+        node = await self.create(parent, name, mode, uid, gid)
+        self.tasks.spawn(self._finish_closed, node)
+        return node
+
+    # -- metadata ----------------------------------------------------------------------------
+    def set_meta(self, node: Node, *, mode: int | None = None, uid: int | None = None, gid: int | None = None,
+                 atime_ns: int | None = None, mtime_ns: int | None = None, ctime_ns: int | None = None) -> None:
+        """chmod/chown/utime: change what is given, ctime to now (or *ctime_ns*), and publish it
+        with the next complete manifest (in the background now if no writer has the node open)."""
+        if mode is not None:
+            node.mode = stat.S_IMODE(mode)
+        if uid is not None:
+            node.uid = uid
+        if gid is not None:
+            node.gid = gid
+        if atime_ns is not None:
+            node.atime_ns = atime_ns
+        if mtime_ns is not None:
+            node.mtime_ns = mtime_ns
+        node.ctime_ns = time.time_ns() if ctime_ns is None else ctime_ns
+        node.meta_version += 1
+        if node.linked and (mode is not None or atime_ns is not None or mtime_ns is not None):
+            self._backing_change("meta", node)
+        if node.backing:  # no manifest: the backing directory keeps it
+            node.meta_durable = node.meta_version
+            return
+        if node.linked and node.writers == 0 and not node.meta_pending and self.tasks.nursery is not None:
+            node.meta_pending = True
+            self.tasks.spawn(self._publish_meta_soon, node)
+
+    def clear_setid(self, node: Node) -> None:
+        """A write or truncate by a process without CAP_FSETID (:func:`setid_to_clear`)."""
+        kill = setid_to_clear(node.mode)
+        if kill:
+            self.set_meta(node, mode=node.mode & ~kill)
+
+    async def fsync_dir(self, node: Node) -> None:
+        """fsyncdir: the directory's own metadata published, close-time publishes finished."""
+        if node.meta_dirty:
+            await self._publish_meta(node)
+        await self.wait_finished()
+
+    async def _publish_meta_soon(self, node: Node) -> None:
+        node.meta_pending = False
+        await self._publish_meta(node)
+
+    async def _publish_meta(self, node: Node) -> None:
+        """Publish *node*'s changed metadata in a complete manifest: always for a directory, for a
+        file only while a complete manifest matches its data (else its next one carries it). The
+        root has no manifest: its mode, owner and times last as long as the mount."""
+        async with self.meta.lock:
+            if node.linked and node.meta_dirty and node.id != ROOT_ID and (node.kind == "dir" or node.published):
+                await self._publish(node, STATE_COMPLETE)
 
     # -- file contents -------------------------------------------------------------------
     def check_openable(self, node: Node) -> None:
@@ -329,13 +366,18 @@ class Namespace:
         node.open_count -= 1
         if writable:
             node.writers -= 1
+        if node.backing and node.open_count == 0 and self.union is not None:
+            self.tasks.spawn(self.union.reader.release, node.id)
         if not node.linked:
             self._maybe_free(node)
             return
         assert node.fs is not None
-        if writable and node.writers == 0 and node.modified and node.fs.error is None:
-            self.wb.set_force(node.fs)
-            self._spawn(self._finish_closed, node)
+        if writable and node.writers == 0 and node.fs.error is None:
+            # also when an fsync made it clean: it may be unpublished (renamed while open), have
+            # changed metadata, or not be drained yet
+            if node.modified:
+                self.wb.set_force(node.fs)
+            self.tasks.spawn(self._finish_closed, node)
 
     def forget(self, node: Node, n: int) -> None:
         """The kernel dropped *n* references to *node*; an unlinked, closed node goes with the last."""
@@ -345,15 +387,26 @@ class Namespace:
                 self.nodes.pop(node.id, None)
 
     async def read(self, node: Node, off: int, size: int) -> bytes:
-        """Up to *size* bytes of *node* from *off*."""
+        """Up to *size* bytes of *node* from *off*; atime moves as with relatime (in memory)."""
         assert node.fs is not None
-        return await self.wb.read(node.fs, off, size)
+        if node.backing and self.union is not None:
+            data: Any = await self.union.reader.read(node.id, node.backing_rel, node.fs.size, off, size)
+        else:
+            data = await self.wb.read(node.fs, off, size)
+        now = time.time_ns()
+        if node.atime_ns <= node.mtime_ns or node.atime_ns <= node.ctime_ns or now - node.atime_ns > RELATIME_NS:
+            node.atime_ns = now
+        return data
 
     async def write(self, node: Node, off: int, buf: bytes) -> int:
         """Accept *buf* at *off* into the write-back buffer; an earlier write-back error is raised."""
         assert node.fs is not None
         if node.fs.error is not None:
             raise OSError(node.fs.error, "earlier write-back failed")
+        if off >= node.fs.max_size:  # before the file is marked modified
+            self.wb.check_size(node.fs, off + 1)
+        if node.backing and self.union is not None:
+            await self.union.take_over(node, keep=True)
         await self._begin_modify(node)
         return await self.wb.write(node.fs, off, buf)
 
@@ -363,12 +416,18 @@ class Namespace:
         close would."""
         if node.fs is None:
             raise _error(errno.EISDIR)
+        self.wb.check_size(node.fs, size)
+        if node.backing and self.union is not None:
+            await self.union.take_over(node, keep=size > 0)
         if size == node.fs.size:
+            if opening_writer:  # O_TRUNC marks mtime and ctime even when nothing is cut
+                node.mtime_ns = node.ctime_ns = time.time_ns()
+                node.meta_version += 1
             return
         await self._begin_modify(node)
         await self.wb.truncate(node.fs, size)
         if not opening_writer and node.writers == 0 and node.linked:
-            self._spawn(self._finish_closed, node)
+            self.tasks.spawn(self._finish_closed, node)
 
     async def fsync(self, node: Node) -> None:
         """fsync semantics: the data durable on every device, then a complete manifest."""
@@ -380,10 +439,19 @@ class Namespace:
             raise OSError(node.fs.error, "write-back failed")
 
     # -- internals -------------------------------------------------------------------------
+    async def _materialize(self, d: Node) -> None:
+        if d.backing and self.union is not None:
+            await self.union.materialize(d)
+
+    def _backing_change(self, op: str, node: Node) -> None:
+        """The backing directory follows the view: queue *op* of *node*'s path there."""
+        if self.feed is not None:
+            self.feed.change(op, node, self.path(node))
+
     def _manifest(self, node: Node, state: str) -> Manifest:
         m = Manifest(id=node.id, seq=self.meta.take_seq(), kind=node.kind, parent=node.parent,
                      name=os.fsdecode(node.name), state=state, mode=node.mode, mtime_ns=node.mtime_ns,
-                     uid=node.uid, gid=node.gid)
+                     atime_ns=node.atime_ns, ctime_ns=node.ctime_ns, uid=node.uid, gid=node.gid)
         if node.fs is not None:
             m.size = node.fs.size
             m.stripe_size = node.fs.layout.stripe_size
@@ -393,8 +461,11 @@ class Namespace:
 
     async def _publish(self, node: Node, state: str, *, durable: bool = True) -> None:
         """Write *node*'s manifest on every device (callers hold ``meta.lock``)."""
+        meta_version = node.meta_version
         await self.meta.publish(self._manifest(node, state), durable=durable)
         node.recorded = True
+        if state == STATE_COMPLETE and durable:
+            node.meta_durable = max(node.meta_durable, meta_version)
 
     def _manifest_error(self, root: Path, exc: OSError) -> None:
         """A manifest write failed on device *root*: count it there (status names it)."""
@@ -407,45 +478,14 @@ class Namespace:
     def _new_node(self, parent: Node, name: bytes, kind: str, mode: int, uid: int, gid: int) -> Node:
         nid = self.next_id
         self.next_id += 1
-        node = Node(nid, kind, parent.id, name, stat.S_IMODE(mode), uid, gid, time.time_ns())
+        now = time.time_ns()
+        node = Node(nid, kind, parent.id, name, stat.S_IMODE(mode), uid, gid, now, now, now)
         if kind == "dir":
             node.children = {}
         else:
             layout = Layout(self.stripe_size, len(self.device_roots), nid % len(self.device_roots))
             node.fs = self.wb.add_file(FileState(nid, layout, label=os.fsdecode(name)))
         return node
-
-    def _attach(self, parent: Node, node: Node) -> None:
-        assert parent.children is not None
-        parent.children[node.name] = node.id
-        node.parent = parent.id
-        node.linked = True
-        self.nodes[node.id] = node
-        parent.mtime_ns = time.time_ns()
-
-    def _detach(self, node: Node) -> None:
-        parent = self.nodes[node.parent]
-        assert parent.children is not None
-        if parent.children.get(node.name) == node.id:
-            del parent.children[node.name]
-        node.linked = False
-        parent.mtime_ns = time.time_ns()
-
-    def _spawn(self, fn: Any, *args: Any) -> None:
-        assert self._nursery is not None, "start() was not called"
-        self._finishing += 1
-
-        async def run() -> None:
-            try:
-                await fn(*args)
-            except Exception:
-                log.exception("background task %s failed", getattr(fn, "__name__", fn))
-            finally:
-                self._finishing -= 1
-                self._finished.set()
-                self._finished = trio.Event()
-
-        self._nursery.start_soon(run)
 
     async def _gone(self, node: Node) -> None:
         """Free an unlinked, closed node's data on every device."""
@@ -458,7 +498,7 @@ class Namespace:
         if node.linked:
             return
         if node.fs is not None and node.open_count == 0 and node.fs.id in self.wb.files:
-            self._spawn(self._gone, node)
+            self.tasks.spawn(self._gone, node)
         elif node.fs is None and node.nlookup == 0:
             self.nodes.pop(node.id, None)
 
@@ -466,7 +506,7 @@ class Namespace:
         """Before the first change of a published file: durably mark it ``writing``."""
         node.version += 1
         node.modified = True
-        node.mtime_ns = time.time_ns()
+        node.mtime_ns = node.ctime_ns = time.time_ns()
         if node.published:
             async with self.meta.lock:
                 if node.published:
@@ -491,7 +531,7 @@ class Namespace:
                 if not node.linked:
                     return
                 if self._clean(node) and node.version == version:
-                    if not node.published:
+                    if not node.published or node.meta_dirty:
                         await self._publish(node, STATE_COMPLETE)
                         node.published = True
                     node.modified = False
@@ -512,8 +552,8 @@ class Namespace:
             return
         finally:
             node.finishing = False
-        if self.drainer is not None and node.published and node.linked:
-            self.drainer.submit(node)
+        if self.feed is not None and node.published and node.linked:
+            self.feed.submit(node)
 
     # -- status ----------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -521,7 +561,7 @@ class Namespace:
         pending = []
         unlinked_open = []
         for node in self.nodes.values():
-            if node.fs is None:
+            if node.fs is None or node.backing:
                 continue
             if not node.linked and node.fs.id in self.wb.files:
                 unlinked_open.append({"id": node.id, "name": os.fsdecode(node.name),
@@ -540,5 +580,12 @@ class Namespace:
             "failed": self.failed,
             "manifest_publishes": self.meta.publishes,
             "recovery": self.recovery_report,
-            "drain": self.drainer.status() if self.drainer is not None else None,
+            "drain": ({**self.drainer.status(), "enabled": self.feed.copies}
+                      if self.drainer is not None and self.feed is not None else None),
+            "backing": self.union.status() if self.union is not None else None,
+            "space": self.space.status() if self.space is not None else None,
         }
+
+    def drained(self, node: Node) -> bool:
+        """Whether *node*'s content is in the backing directory under its name (``user.fsd.drained``)."""
+        return self.feed is not None and self.feed.drained(node)

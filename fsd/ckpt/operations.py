@@ -1,9 +1,9 @@
-"""Checkpoint Operations class: FUSE requests over :class:`fsd.ckpt_namespace.Namespace`.
+"""Checkpoint Operations class: FUSE requests over :class:`fsd.ckpt.namespace.Namespace`.
 
-Thin layer: handlers check what FUSE asks (handles, flags, the ``.fsd`` control
-directory) and call the namespace, which owns the files, their durability order
-and their data (:mod:`fsd.writeback`, :mod:`fsd.manifest`, :mod:`fsd.drain`).
-Errors map to errno in one place (:func:`fsd.errors.fuse_errors`).
+Thin layer: handlers check what FUSE asks (handles, flags) and call the namespace, which owns the files, their durability order
+and their data (:mod:`fsd.ckpt.writeback`, :mod:`fsd.ckpt.manifest`, :mod:`fsd.ckpt.drain`).
+Errors map to errno in one place (:func:`fsd.errors.fuse_errors`); the ``.fsd`` control
+directory is routed in one place too (:func:`fsd.control_routes.serves_control`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ import pyfuse3
 import trio
 
 from fsd.ckpt.manifest import ROOT_ID
-from fsd.ckpt.namespace import Namespace, Node
+from fsd.ckpt.namespace import Namespace, Node, check_name, setid_to_clear
+from fsd.control import CONTROL_NAME
+from fsd.control_routes import expire_loop, serves_control
 from fsd.errors import fuse_errors
+from fsd.status import DRAINED_XATTR, NO_WAIT_DRAIN, UNMOUNT_XATTR
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +32,14 @@ READAHEAD_KB = 1024
 """Kernel read-ahead for the mount's bdi: 1 MiB reads instead of 128 KiB (restore +37%)."""
 
 RENAME_NOREPLACE = 1
-RENAME_EXCHANGE = 2
+RENAME_EXCHANGE = 2  # refused: two manifests cannot swap names atomically
+RENAME_WHITEOUT = 4  # refused: no whiteout (character device) nodes here
+CAP_FSETID = 4
 FIRST_FH = 1 << 20  # never collides with the control inodes used as fh
 ATTR_TIMEOUT = 60.0
 
 
-def _raise_readahead(backing_fd: int, kb: int) -> int | None:
+def raise_readahead(backing_fd: int, kb: int) -> int | None:
     """Set read_ahead_kb of this mount's bdi (root only); returns the value now in effect."""
     try:
         # the link is already absolute and resolved; realpath() would stat our own
@@ -58,38 +63,60 @@ def _raise_readahead(backing_fd: int, kb: int) -> int | None:
         return None
 
 
+def has_cap_fsetid(pid: int) -> bool:
+    """Whether task *pid* may keep S_ISUID/S_ISGID when it writes (CAP_FSETID in its effective set).
+
+    The kernel tells a FUSE server as much with FUSE_WRITE_KILL_SUIDGID on direct-I/O writes and
+    FUSE_OPEN_KILL_SUIDGID on O_TRUNC opens, but libfuse 3.14 keeps those flags from pyfuse3
+    (``fuse_file_info`` has no field for them). Blocking (/proc): worker threads only. A task that
+    is gone counts as unprivileged: keeping a set-id bit is the unsafe error."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_FSETID & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 
 
 @dataclass
 class _Handle:
     node: Node
     writable: bool
+    direct: bool = False  # FOPEN_DIRECT_IO: the kernel leaves S_ISUID/S_ISGID to us
+    pid: int = 0  # the opener (FUSE gives write() no context)
 
 
+@serves_control()
 class CheckpointOperations(pyfuse3.Operations):
     """Read-write checkpoint mount striped over *devices* with RAM write-back."""
 
     # Kernel write-back cache: off by default (measured no gain, see tools/bench-ckpt --lever);
     # FSD_CKPT_WRITEBACK_CACHE=1 turns it on for experiments.
     enable_writeback_cache = os.environ.get("FSD_CKPT_WRITEBACK_CACHE", "0") == "1"
+    fuse_options_default = ("fsname=fsd-ckpt", "subtype=fsd", "default_permissions")
 
     def __init__(self, backing_fd: int, devices: list[Path], *, stripe_size: int = 8 << 20,
                  dirty_limit: int = 1 << 30, drain: bool = False, control: Any = None,
-                 threads_per_device: int = 2, chunk_size: int = 1 << 20) -> None:
+                 threads_per_device: int = 2, chunk_size: int = 1 << 20, keep_on_devices: int = 2) -> None:
         super().__init__()
         if stripe_size % chunk_size and chunk_size % stripe_size:
             raise ValueError("stripe size and chunk size must divide one another")
         self.backing_fd = backing_fd
         self.control = control
-        self.fuse_options = ["fsname=fsd-ckpt", "subtype=fsd", "default_permissions"]
+        self.fuse_options = list(self.fuse_options_default)
         self.direct_writes = os.environ.get("FSD_CKPT_DIRECT_WRITES", "1") == "1"
-        # the backing directory is only the drain target and is not read
+        # the backing directory is shown under fsd's own files (the union view) and drained to
         self.ns = Namespace([Path(d) for d in devices], stripe_size=stripe_size, dirty_limit=dirty_limit,
                             threads_per_device=threads_per_device, chunk_size=min(chunk_size, stripe_size),
-                            drain_fd=backing_fd if drain else None)
+                            backing_fd=backing_fd, drain=drain, keep_on_devices=keep_on_devices)
         self.next_fh = FIRST_FH
         self.handles: dict[int, _Handle] = {}
         self.readahead_kb: int | None = None
+        self.proc_limiter = trio.CapacityLimiter(2)
 
     # -- lifecycle --------------------------------------------------------------
     async def start(self, nursery: trio.Nursery) -> None:
@@ -101,9 +128,9 @@ class CheckpointOperations(pyfuse3.Operations):
         if soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         await self.ns.start(nursery)
-        self.readahead_kb = _raise_readahead(self.backing_fd, READAHEAD_KB)
-        if self.control is not None and hasattr(self.control, "expire_loop"):
-            nursery.start_soon(self.control.expire_loop)
+        self.readahead_kb = raise_readahead(self.backing_fd, READAHEAD_KB)
+        if self.control is not None:
+            nursery.start_soon(expire_loop, self.control)
 
     async def stop(self) -> None:
         """Make every file durable and published, then stop the threads."""
@@ -121,30 +148,30 @@ class CheckpointOperations(pyfuse3.Operations):
             e.st_mode = stat.S_IFDIR | node.mode
             e.st_nlink = 2 + sum(1 for c in node.children.values() if self.ns.nodes[c].kind == "dir")
             e.st_size = 4096
+            e.st_blocks = 8
         else:
             assert node.fs is not None
             e.st_mode = stat.S_IFREG | node.mode
             e.st_nlink = 1 if node.linked else 0
             e.st_size = node.fs.size
+            e.st_blocks = (node.fs.size + 511) // 512 if node.backing else self.ns.wb.allocated_blocks(node.fs)
         e.st_uid, e.st_gid = node.uid, node.gid
         e.st_blksize = self.ns.wb.chunk_size
-        e.st_blocks = (e.st_size + 511) // 512
-        e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = node.mtime_ns
+        e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = node.atime_ns, node.mtime_ns, node.ctime_ns
         return e
+
+    async def _may_keep_setid(self, pid: int) -> bool:
+        return await trio.to_thread.run_sync(has_cap_fsetid, pid, limiter=self.proc_limiter)
 
     def _owns(self, inode: int) -> bool:
         return self.control is not None and self.control.owns(inode)
 
     def _is_control_name(self, parent_inode: int, name: bytes) -> bool:
-        return self.control is not None and parent_inode == ROOT_ID and name == b".fsd"
+        return self.control is not None and parent_inode == ROOT_ID and name == CONTROL_NAME
 
     # -- metadata -------------------------------------------------------------------
     @fuse_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
-        if self.control is not None:
-            attrs = self.control.lookup(parent_inode, name)
-            if attrs is not None:
-                return attrs
         parent = self.ns.directory(parent_inode)
         if name == b".":
             node = parent
@@ -158,31 +185,30 @@ class CheckpointOperations(pyfuse3.Operations):
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         for ino, n in inode_list:
             node = self.ns.nodes.get(ino)
-            if node is not None and not self._owns(ino):
+            if node is not None:
                 self.ns.forget(node, n)
 
     @fuse_errors
     async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
-        if self._owns(inode):
-            return self.control.getattr(inode)
         return self._attrs(self.ns.node(inode))
 
     @fuse_errors
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
                       fh: int | None, ctx: Any) -> pyfuse3.EntryAttributes:
-        if self._owns(inode):
-            return self.control.getattr(inode)
         node = self.ns.node(inode)
         if fields.update_size:
             await self.ns.truncate(node, attr.st_size)
-        if fields.update_mode:
-            node.mode = stat.S_IMODE(attr.st_mode)
-        if fields.update_uid:
-            node.uid = attr.st_uid
-        if fields.update_gid:
-            node.gid = attr.st_gid
-        if fields.update_mtime:
-            node.mtime_ns = attr.st_mtime_ns
+        # the kernel sends chmod/chown/utime, and the mode without S_ISUID/S_ISGID after a
+        # truncate or chown by an unprivileged process, here
+        if not (fields.update_mode or fields.update_uid or fields.update_gid or fields.update_atime
+                or fields.update_mtime or fields.update_ctime):
+            return self._attrs(node)
+        self.ns.set_meta(
+            node, mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None, gid=attr.st_gid if fields.update_gid else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+            ctime_ns=attr.st_ctime_ns if fields.update_ctime else None)
         return self._attrs(node)
 
     @fuse_errors
@@ -222,7 +248,7 @@ class CheckpointOperations(pyfuse3.Operations):
     @fuse_errors
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
                      flags: int, ctx: Any) -> None:
-        if flags & RENAME_EXCHANGE:
+        if flags & ~RENAME_NOREPLACE:  # RENAME_EXCHANGE, RENAME_WHITEOUT, anything newer
             raise pyfuse3.FUSEError(errno.EINVAL)
         if self._owns(parent_old) or self._owns(parent_new) or self._is_control_name(parent_new, name_new):
             raise pyfuse3.FUSEError(errno.EPERM)
@@ -231,17 +257,40 @@ class CheckpointOperations(pyfuse3.Operations):
 
     # -- directories -------------------------------------------------------------------
     @fuse_errors
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: Any) -> pyfuse3.EntryAttributes:
+        check_name(name)
+        if not stat.S_ISREG(mode):  # fifos, devices, sockets
+            raise pyfuse3.FUSEError(errno.EPERM)
+        if self._is_control_name(parent_inode, name):
+            raise pyfuse3.FUSEError(errno.EEXIST)
+        node = await self.ns.mknod(self.ns.directory(parent_inode), name, mode, ctx.uid, ctx.gid)
+        node.nlookup += 1
+        return self._attrs(node)
+
+    @fuse_errors
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        check_name(name)
+        raise pyfuse3.FUSEError(errno.EPERM)
+
+    @fuse_errors
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        check_name(new_name)
+        raise pyfuse3.FUSEError(errno.EPERM)
+
+    @fuse_errors
     async def opendir(self, inode: int, ctx: Any) -> int:
-        if not self._owns(inode):
-            self.ns.directory(inode)
+        self.ns.directory(inode)
         return inode
 
     @fuse_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        if self._owns(fh):
-            return await self.control.readdir(start_id, token)
         node = self.ns.directory(fh)
         assert node.children is not None
+        # offsets 1 and 2 follow "." and ".." (ids start at 16; the kernel takes no lookup for them)
+        for off, name, target in ((0, b".", node), (1, b"..", self.ns.nodes[node.parent])):
+            if start_id <= off and not pyfuse3.readdir_reply(token, name, self._attrs(target), off + 1):
+                return
         # ids only grow, so sorting by id gives offsets that stay valid across changes
         entries = sorted(node.children.items(), key=lambda kv: kv[1])
         for name, cid in entries:
@@ -257,36 +306,36 @@ class CheckpointOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        if self._owns(fh):
-            return
-        # namespace changes are durable when they return; wait for close-time publishes
-        await self.ns.wait_finished()
+        # namespace changes are durable when they return; chmod/chown/utime with the manifest
+        await self.ns.fsync_dir(self.ns.directory(fh))
 
     # -- files --------------------------------------------------------------------------
-    def _open_handle(self, node: Node, flags: int) -> pyfuse3.FileInfo:
+    def _open_handle(self, node: Node, flags: int, pid: int) -> pyfuse3.FileInfo:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
-        fh = self.next_fh
-        self.next_fh += 1
-        self.handles[fh] = _Handle(node, writable)
-        self.ns.opened(node, writable)
         # direct_io (FOPEN_DIRECT_IO) for O_DIRECT opens (no alignment demands) and for
         # write-only opens: the kernel hands the writer's pages to us without first copying
         # them into its page cache (measured faster, see tools/bench-ckpt --lever). Readers
-        # keep the page cache, so mmap (safetensors) works.
+        # keep the page cache, so mmap (safetensors) works. Not for a set-id file's plain
+        # writer: the cached path lets the kernel clear the bits by the writer's own rights.
         direct = bool(flags & os.O_DIRECT) or (
-            self.direct_writes and (flags & os.O_ACCMODE) == os.O_WRONLY)
+            self.direct_writes and (flags & os.O_ACCMODE) == os.O_WRONLY and not setid_to_clear(node.mode))
+        fh = self.next_fh
+        self.next_fh += 1
+        self.handles[fh] = _Handle(node, writable, direct, pid)
+        self.ns.opened(node, writable)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)
 
     @fuse_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-        if self._owns(inode):
-            return self.control.open(inode, flags)
         node = self.ns.node(inode)
         self.ns.check_openable(node)
         if flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY:
-            # libfuse negotiates FUSE_ATOMIC_O_TRUNC: the kernel sends no setattr(size=0)
+            # libfuse negotiates FUSE_ATOMIC_O_TRUNC: the kernel sends no setattr(size=0), and
+            # so no mode without S_ISUID/S_ISGID either
+            if setid_to_clear(node.mode) and not await self._may_keep_setid(ctx.pid):
+                self.ns.clear_setid(node)
             await self.ns.truncate(node, 0, opening_writer=True)
-        return self._open_handle(node, flags)
+        return self._open_handle(node, flags, ctx.pid)
 
     @fuse_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -296,7 +345,7 @@ class CheckpointOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EEXIST)
         node = await self.ns.create(parent, name, mode, ctx.uid, ctx.gid)
         node.nlookup += 1
-        return self._open_handle(node, flags), self._attrs(node)
+        return self._open_handle(node, flags, ctx.pid), self._attrs(node)
 
     def _handle(self, fh: int) -> _Handle:
         h = self.handles.get(fh)
@@ -306,24 +355,19 @@ class CheckpointOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        if self._owns(fh):
-            return self.control.read(fh, off, size)
         return await self.ns.read(self._handle(fh).node, off, size)
 
     @fuse_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        if self._owns(fh):
-            return await self.control.write(fh, off, buf)
         h = self._handle(fh)
         if not h.writable:
             raise pyfuse3.FUSEError(errno.EBADF)
+        if h.direct and setid_to_clear(h.node.mode) and not await self._may_keep_setid(h.pid):
+            self.ns.clear_setid(h.node)  # what FUSE_WRITE_KILL_SUIDGID asks, judged by the opener
         return await self.ns.write(h.node, off, buf)
 
     @fuse_errors
     async def flush(self, fh: int) -> None:
-        if self._owns(fh):
-            self.control.flush_pending()
-            return
         # close() does not wait for durability, but reports a write-back error already known
         self.ns.check_written(self._handle(fh).node)
 
@@ -334,9 +378,29 @@ class CheckpointOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
-        if self._owns(fh):
-            return
         await self.ns.fsync(self._handle(fh).node)
+
+    # -- extended attributes: the drain state of a file, the unmount's wish ---------------------
+    @fuse_errors
+    async def getxattr(self, inode: int, name: bytes, ctx: Any = None) -> bytes:
+        if name != os.fsencode(DRAINED_XATTR) or self._owns(inode):
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        node = self.ns.node(inode)
+        if node.fs is None:
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        return b"1" if self.ns.drained(node) else b"0"
+
+    @fuse_errors
+    async def listxattr(self, inode: int, ctx: Any = None) -> list[bytes]:
+        node = None if self._owns(inode) else self.ns.node(inode)
+        return [os.fsencode(DRAINED_XATTR)] if node is not None and node.fs is not None else []
+
+    @fuse_errors
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
+        if inode == ROOT_ID and name == os.fsencode(UNMOUNT_XATTR):
+            self.ns.wait_drain = value != NO_WAIT_DRAIN
+            return
+        raise pyfuse3.FUSEError(errno.ENOTSUP)
 
     # -- status ----------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

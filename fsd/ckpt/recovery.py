@@ -1,6 +1,6 @@
 """Rebuilding the checkpoint namespace from the devices at mount time.
 
-The namespace lives only in the manifests (see :mod:`fsd.manifest`); the
+The namespace lives only in the manifests (see :mod:`fsd.ckpt.manifest`); the
 backing directory is the drain target, not a source. Recovery, run before the
 mount serves requests (blocking, not on the loop):
 

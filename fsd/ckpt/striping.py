@@ -76,3 +76,9 @@ class Layout:
             d = self.device_of(k)
             out[d] = max(out[d], self.local_offset(k) + min(s, size - k * s))
         return out
+
+    def max_size(self, local_max: int) -> int:
+        """The largest file size whose bytes all lie below *local_max* in their device's data file
+        (the devices' largest file size): whole rounds of stripes, then the head of the next stripe."""
+        s = self.stripe_size
+        return self.n_devices * (local_max // s) * s + local_max % s

@@ -1,0 +1,280 @@
+"""Striped device I/O of the checkpoint mount: one data file per checkpoint file on each device.
+
+:class:`DeviceIO` is the blocking side of one device: its data directory, cached fds (O_DIRECT
+writes, buffered reads) and the flusher threads that run :class:`FlushJob` pwritevs. Nothing here
+touches the trio loop; results go back through the callback each job carries.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fsd.ckpt.manifest import DATA_DIR, data_name
+from fsd.threads import name_os_thread
+
+if TYPE_CHECKING:
+    from fsd.ckpt.buffer_pool import Chunk
+    from fsd.ckpt.striping import Layout
+
+log = logging.getLogger(__name__)
+
+MAX_LFS_FILESIZE = (1 << 63) - 1
+"""The kernel's own limit (a FUSE superblock's s_maxbytes)."""
+
+
+def max_file_size(root: Path) -> int:
+    """The largest length a file may have on the filesystem of *root* (its s_maxbytes, e.g.
+    16 TiB - 4 KiB on ext4), found by ftruncate of an unnamed temporary file; blocking."""
+    try:
+        fd = os.open(root, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        log.info("cannot probe the largest file size on %s (%s); assuming the kernel's", root, e)
+        return MAX_LFS_FILESIZE
+    lo, hi = 0, MAX_LFS_FILESIZE
+    try:
+        try:
+            os.ftruncate(fd, hi)
+            return hi
+        except OSError as e:
+            if e.errno not in (errno.EFBIG, errno.EINVAL):
+                raise
+        while hi - lo > 1:  # growing a sparse file allocates nothing: some 40 metadata updates
+            mid = (lo + hi) // 2
+            try:
+                os.ftruncate(fd, mid)
+                lo = mid
+            except OSError as e:
+                if e.errno not in (errno.EFBIG, errno.EINVAL):
+                    raise
+                hi = mid
+        return lo
+    except OSError as e:
+        log.info("cannot probe the largest file size on %s (%s); assuming the kernel's", root, e)
+        return MAX_LFS_FILESIZE
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class FlushJob:
+    """One pwritev of contiguous dirty chunks of one stripe to one device."""
+
+    dev: int
+    file_id: int
+    local_off: int
+    views: list[memoryview]
+    chunks: list[tuple[int, "Chunk", int]]  # (chunk index, chunk, gen at submit)
+    nbytes: int
+    blocks: int = -1  # st_blocks of the data file after the write (-1: unknown)
+
+
+def _pwritev_all(fd: int, views: list[memoryview], off: int) -> None:
+    """pwritev until everything is written; a short write is retried so that the
+    device's real error (ENOSPC, EIO) surfaces instead of a generic one."""
+    while views:
+        n = os.pwritev(fd, views, off)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "device accepts no more bytes")
+        off += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        if n:
+            views = [views[0][n:], *views[1:]]
+
+
+class DeviceIO:
+    """One device: data directory, fd cache and flusher threads (blocking side)."""
+
+    def __init__(self, index: int, root: Path, threads: int) -> None:
+        self.index = index
+        self.root = root
+        self.data_dir = root / DATA_DIR
+        self.queue: queue.Queue[tuple[FlushJob, Callable[[FlushJob, BaseException | None], None]] | None] = queue.Queue()
+        self.threads = threads
+        self._wfds: dict[int, int] = {}
+        self._rfds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.direct = True
+        self.bytes_written = 0
+        self.busy_s = 0.0  # wall time with at least one write in flight
+        self._active = 0
+        self._busy_since = 0.0
+        self.writes = 0
+        self.errors = 0
+        self.last_error: str | None = None
+        self._workers: list[threading.Thread] = []
+
+    # -- fds -------------------------------------------------------------------------
+    def wfd(self, file_id: int) -> int:
+        """O_DIRECT write fd of *file_id*'s data file on this device (created on demand)."""
+        with self._lock:
+            fd = self._wfds.get(file_id)
+            if fd is not None:
+                return fd
+            path = self.data_dir / data_name(file_id)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
+            try:
+                fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                log.warning("device %s does not support O_DIRECT; using buffered writes", self.root)
+                self.direct = False
+                fd = os.open(path, flags, 0o644)
+            self._wfds[file_id] = fd
+            return fd
+
+    def rfd(self, file_id: int) -> int | None:
+        """Buffered read fd of *file_id*'s data file, or None if it has none here."""
+        with self._lock:
+            fd = self._rfds.get(file_id)
+            if fd is not None:
+                return fd
+            try:
+                fd = os.open(self.data_dir / data_name(file_id), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return None
+            self._rfds[file_id] = fd
+            return fd
+
+    def close_fds(self, file_id: int, *, reads: bool = True) -> None:
+        """Close cached fds of *file_id* (read fds only when no read can be in flight)."""
+        with self._lock:
+            for d in (self._wfds, self._rfds) if reads else (self._wfds,):
+                fd = d.pop(file_id, None)
+                if fd is not None:
+                    os.close(fd)
+
+    def close_all(self) -> None:
+        """Close every cached fd."""
+        with self._lock:
+            for d in (self._wfds, self._rfds):
+                for fd in d.values():
+                    os.close(fd)
+                d.clear()
+
+    # -- blocking operations -----------------------------------------------------------
+    def pread_into(self, file_id: int, local_off: int, view: memoryview) -> None:
+        """Fill *view* from the data file at *local_off*; missing bytes read as zero."""
+        fd = self.rfd(file_id)
+        n = 0
+        if fd is not None:
+            while n < len(view):
+                got = os.preadv(fd, [view[n:]], local_off + n)
+                if got == 0:
+                    break
+                n += got
+        if n < len(view):
+            view[n:] = bytes(len(view) - n)
+
+    def fdatasync(self, file_id: int) -> None:
+        """Make *file_id*'s data on this device durable (no-op if nothing was written here)."""
+        with self._lock:
+            fd = self._wfds.get(file_id)
+        if fd is not None:
+            os.fdatasync(fd)
+
+    def truncate(self, file_id: int, length: int) -> int:
+        """Cut *file_id*'s data file on this device to *length* bytes (if it exists); returns
+        the 512-byte blocks it then takes."""
+        try:
+            os.truncate(self.data_dir / data_name(file_id), length)
+        except FileNotFoundError:
+            return 0
+        return self.blocks(file_id)
+
+    def blocks(self, file_id: int) -> int:
+        """512-byte blocks taken by *file_id*'s data file on this device (0 if it has none)."""
+        try:
+            return os.stat(self.data_dir / data_name(file_id)).st_blocks
+        except FileNotFoundError:
+            return 0
+
+    def delete(self, file_id: int) -> None:
+        """Remove *file_id*'s data file on this device."""
+        self.close_fds(file_id)
+        try:
+            os.unlink(self.data_dir / data_name(file_id))
+        except FileNotFoundError:
+            pass
+
+    def status(self) -> dict[str, object]:
+        """JSON-able counters of this device."""
+        return {
+            "index": self.index,
+            "path": str(self.root),
+            "bytes_written": self.bytes_written,
+            "writes": self.writes,
+            "busy_s": round(self.busy_s, 3),
+            "flush_MBps": round(self.bytes_written / self.busy_s / 1e6, 1) if self.busy_s > 0 else 0.0,
+            "queued_jobs": self.queue.qsize(),
+            "o_direct": self.direct,
+            "errors": self.errors,
+            "last_error": self.last_error,
+        }
+
+    def _run(self) -> None:
+        name_os_thread()
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            job, done = item
+            err: BaseException | None = None
+            with self._lock:
+                if self._active == 0:
+                    self._busy_since = time.perf_counter()
+                self._active += 1
+            try:
+                fd = self.wfd(job.file_id)
+                _pwritev_all(fd, job.views, job.local_off)
+                job.blocks = os.fstat(fd).st_blocks
+            except OSError as e:
+                err = e
+            except BaseException as e:  # a bug: report as EIO, keep the worker alive
+                log.exception("flusher thread of %s failed", self.root)
+                err = OSError(errno.EIO, repr(e))
+            for v in job.views:
+                v.release()
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    self.busy_s += time.perf_counter() - self._busy_since
+            if err is None:
+                self.bytes_written += job.nbytes
+                self.writes += 1
+            done(job, err)
+
+    def start(self) -> None:
+        """Start the flusher threads."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        for i in range(self.threads):
+            t = threading.Thread(target=self._run, name=f"fsd-flush-{self.index}.{i}", daemon=True)
+            t.start()
+            self._workers.append(t)
+
+    def stop(self) -> None:
+        """Stop and join the flusher threads (blocking)."""
+        for _ in self._workers:
+            self.queue.put(None)
+        for t in self._workers:
+            t.join()
+        self._workers.clear()
+        self.close_all()
+
+
+def read_extents(devices: list[DeviceIO], file_id: int, layout: "Layout", off: int, view: memoryview) -> None:
+    """Blocking: fill *view* with file bytes [off, off+len(view)) from the devices that hold them."""
+    for ext in layout.extents(off, len(view)):
+        rel = ext.file_off - off
+        devices[ext.device].pread_into(file_id, ext.local_off, view[rel:rel + ext.length])

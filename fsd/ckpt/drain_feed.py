@@ -1,0 +1,60 @@
+"""What the checkpoint namespace hands its drainer: a :class:`fsd.ckpt.drain.DrainJob` per finished
+file and per change of the view that the backing directory must follow, and the check that a copy
+job still describes the file under its name."""
+
+from __future__ import annotations
+
+from fsd.ckpt.drain import DrainJob, Drainer
+from fsd.ckpt.node import Node
+from fsd.ckpt.tree import Tree
+
+
+class DrainFeed:
+    """Turns the tree's finished files and changes into drain jobs. Without *copies*, finished
+    files stay on the devices only (``--no-drain``); the view's changes of backing files still
+    reach the backing directory."""
+
+    def __init__(self, tree: Tree, drainer: Drainer, *, copies: bool = True) -> None:
+        self.tree = tree
+        self.drainer = drainer
+        self.copies = copies
+        drainer.current = self.current
+        drainer.renamed = self.renamed
+
+    def submit(self, node: Node) -> None:
+        """Queue *node* (finished: closed, complete manifest durable) for the backing directory."""
+        if not self.copies or node.backing or node.fs is None:
+            return
+        self.drainer.submit(DrainJob(node.id, node.version, self.tree.path(node), node.fs.size, node.fs.layout,
+                                     mode=node.mode, mtime_ns=node.mtime_ns, atime_ns=node.atime_ns))
+
+    def submit_tree(self, top: Node | None = None) -> None:
+        """Queue every published file (under *top*): at start, what an earlier mount did not drain;
+        after a directory rename, its files under their new names (a drained copy moved with the
+        directory is recognised and not copied again)."""
+        for node in list(self.tree.nodes.values()):
+            if node.kind == "file" and node.published and node.linked and (
+                    top is None or self.tree.is_ancestor(top, node)):
+                self.submit(node)
+
+    def change(self, op: str, node: Node, rel: str, dst: str = "") -> None:
+        """Queue a change of the view (``unlink``, ``rmdir``, ``rename`` to *dst*, ``meta``) for the
+        backing directory."""
+        self.drainer.submit(DrainJob(node.id, node.version, rel, op=op, dst=dst, mode=node.mode,
+                                     mtime_ns=node.mtime_ns, atime_ns=node.atime_ns))
+
+    def renamed(self, src: str, dst: str) -> None:
+        """A rename reached the backing directory: backing nodes under *src* now live under *dst*."""
+        for node in self.tree.nodes.values():
+            if node.backing and (node.backing_rel == src or node.backing_rel.startswith(src + "/")):
+                node.backing_rel = dst + node.backing_rel[len(src):]
+
+    def current(self, job: DrainJob) -> bool:
+        """Whether *job* still describes its file: same version, published, under the same name."""
+        node = self.tree.nodes.get(job.id)
+        return (node is not None and node.linked and node.published and node.version == job.version
+                and node.fs is not None and not node.backing and self.tree.path(node) == job.rel)
+
+    def drained(self, node: Node) -> bool:
+        """Whether *node*'s content is in the backing directory under its name."""
+        return node.backing or self.drainer.is_drained(node.id, node.version, self.tree.path(node))

@@ -1,0 +1,69 @@
+"""The checkpoint mount's composition root: every component built in order, torn down in reverse.
+
+Built before the mount exists (the backing directory is opened first, so an in-place mount shows
+the files it covers): the backing directory fd, the control directory, and the Operations class
+with its namespace (recovery from the manifests, the write-back, the scan of the backing
+directory, the drainer and the space manager). Started once mounted, each pushing its teardown:
+the write-back's flusher threads (stopped last, after a final sync), the drain (its queue finished,
+or left to the next mount after ``fsd unmount --no-wait-drain``), the space manager and the
+control directory's expiry (ended with the nursery), and last the namespace's settling (every file
+durable and published, metadata too), which is therefore the first thing done at unmount.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from fsd.ckpt.operations import READAHEAD_KB, CheckpointOperations, raise_readahead
+from fsd.control import ControlDir
+from fsd.control_routes import expire_loop, fuse_op_counts
+from fsd.mount import open_dir
+
+
+class CheckpointMount:
+    """:class:`fsd.mount.MountRoot` of a checkpoint directory *source* striped over *devices*."""
+
+    def __init__(self, source: Path, devices: list[Path], *, stripe_size: int, dirty_limit: int,
+                 drain: bool = True, keep_on_devices: int = 2) -> None:
+        self.source = source
+        self.devices = devices
+        self.kw: dict[str, Any] = dict(stripe_size=stripe_size, dirty_limit=dirty_limit, drain=drain,
+                                       keep_on_devices=keep_on_devices)
+        self.options = list(CheckpointOperations.fuse_options_default)
+        self.ops: CheckpointOperations | None = None
+
+    async def build(self, stack: AsyncExitStack) -> CheckpointOperations:
+        backing_fd = open_dir(self.source)
+        stack.callback(os.close, backing_fd)
+        ops: CheckpointOperations | None = None
+        control = ControlDir(lambda: ops.status() if ops is not None else {}, None, op_counts=fuse_op_counts)
+        ops = CheckpointOperations(backing_fd, self.devices, control=control, **self.kw)
+        self.ops = ops
+        return ops
+
+    async def start(self, stack: AsyncExitStack, nursery: trio.Nursery) -> None:
+        ops = self.ops
+        assert ops is not None
+        ns = ops.ns
+        # up to 2 fds per device per open file: allow what the hard limit allows
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        ns.tasks.nursery = nursery
+        ns.wb.start(nursery)
+        stack.push_async_callback(ns.wb.stop)
+        if ns.drainer is not None:
+            ns.start_drain(nursery)
+            stack.push_async_callback(ns.stop_drain)
+        if ns.space is not None:
+            nursery.start_soon(ns.space.run)
+        ops.readahead_kb = raise_readahead(ops.backing_fd, READAHEAD_KB)
+        if ops.control is not None:
+            nursery.start_soon(expire_loop, ops.control)
+        stack.push_async_callback(ns.settle)
