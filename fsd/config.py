@@ -7,6 +7,8 @@ Example::
     ram_cache = "8G"
     ssd_cache = "/nvme0/fsd-cache"
     ssd_size = "200G"
+    cluster = "/etc/fsd/cluster.toml"  # optional: share the cache with the job's other nodes
+    metrics_port = 9100                # optional, with cluster: Prometheus figures
 
     [checkpoints]
     dir = "/checkpoints"
@@ -31,9 +33,11 @@ from fsd.errors import FsdError
 
 _DATA_KEYS = {"source": "--data", "at": "--at", "ram_cache": "--ram-cache", "ssd_cache": "--ssd-cache",
               "ssd_size": "--ssd-size", "fetch_threads": "--fetch-threads", "attr_timeout": "--attr-timeout",
-              "log": "--log", "allow_other": "--allow-other"}
+              "log": "--log", "allow_other": "--allow-other", "cluster": "--cluster", "metrics_port": "--metrics-port"}
 _CKPT_KEYS = {"dir": "--checkpoints", "at": "--at", "devices": "--devices", "stripe_size": "--stripe-size",
-              "dirty_limit": "--dirty-limit", "drain": "--drain", "log": "--log", "allow_other": "--allow-other"}
+              "dirty_limit": "--dirty-limit", "drain": "--drain",
+              "keep_on_devices": "--keep-on-devices", "log": "--log", "allow_other": "--allow-other"}
+_NEGATED = {"--drain": "--no-drain"}  # flags on by default
 _SECTIONS = {"data": (_DATA_KEYS, "source"), "checkpoints": (_CKPT_KEYS, "dir")}
 
 
@@ -59,6 +63,8 @@ def load(path: Path) -> dict[str, Any]:
             raise FsdError(f"config {path}: unknown key(s) {sorted(bad)} in [{name}]; valid: {sorted(keys)}")
         if required not in section:
             raise FsdError(f"config {path}: [{name}] needs `{required}`")
+        if name == "data" and "cluster" in section and not isinstance(section["cluster"], str):
+            raise FsdError(f"config {path}: [data] `cluster` must be the path of a cluster file (docs/CLUSTER.md)")
     return doc
 
 
@@ -71,6 +77,8 @@ def mount_argv(name: str, section: dict[str, Any]) -> list[str]:
         if isinstance(value, bool):
             if value:
                 argv.append(flag)
+            elif flag in _NEGATED:
+                argv.append(_NEGATED[flag])
         elif isinstance(value, list):
             argv += [flag, ",".join(str(v) for v in value)]
         else:

@@ -7,16 +7,21 @@
   EINVAL and leaves the mount as it was, with the reason in ``.fsd/error``.
 * ``.fsd/status`` (0444): JSON snapshot (version, uptime, op counters, errors,
   plus whatever the mount reports).
-* ``.fsd/error`` (0444): the last rejected control write and why.
+* ``.fsd/error`` (0444): the last rejected control write and why, or the warnings of the last
+  applied document that had some (``warning: ...``).
 
 The dataset mount runs with FUSE "no open" (open() answers ENOSYS, the kernel
 then never sends open/flush/release), so there is no close event to apply a
 control document at. Documents are therefore applied at write time, and a
 write that leaves an incomplete prefix is accepted and held; if no completing
 write follows within ``INCOMPLETE_TIMEOUT`` the document is dropped and the
-reason recorded. In that mode the kernel caches file pages (FOPEN_KEEP_CACHE),
-so ``status`` is snapshotted at getattr time (attr timeout 0) with a fresh
+reason recorded (:meth:`ControlDir.expire`). In that mode the kernel caches file pages
+(FOPEN_KEEP_CACHE), so ``status`` is snapshotted at getattr time (attr timeout 0) with a fresh
 mtime, which makes the kernel drop stale pages (FUSE auto_inval_data).
+
+This module holds the directory's state and imports neither pyfuse3 nor trio, so it is tested
+without a mount and ``fsd status`` never loads the FUSE library: refusals are ``OSError`` with
+their errno, attributes are :class:`ControlAttr`. :mod:`fsd.control_routes` serves it over FUSE.
 """
 
 from __future__ import annotations
@@ -30,13 +35,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
-
-import pyfuse3
-import trio
 
 from fsd import __version__
 from fsd.errors import ControlError
+from fsd.status import CONTROL_DIR, CONTROL_FILE, ERROR_FILE, STATUS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -49,22 +53,15 @@ SINGLE_WRITE_BYTES = 4096
 #: How long an incomplete control document waits for its remaining bytes.
 INCOMPLETE_TIMEOUT = 2.0
 
+ROOT_INODE = 1  # the mount's root (FUSE's ROOT_ID), where ``.fsd`` is listed
 DIR_INODE = 2
 CONTROL_INODE = 3
 STATUS_INODE = 4
 ERROR_INODE = 5
-CONTROL_NAME = b".fsd"
-_FILES = {b"control": CONTROL_INODE, b"status": STATUS_INODE, b"error": ERROR_INODE}
+CONTROL_NAME = os.fsencode(CONTROL_DIR)
+_FILES = {os.fsencode(CONTROL_FILE): CONTROL_INODE, os.fsencode(STATUS_FILE): STATUS_INODE,
+          os.fsencode(ERROR_FILE): ERROR_INODE}
 _MODES = {CONTROL_INODE: 0o600, STATUS_INODE: 0o444, ERROR_INODE: 0o444}
-
-
-def read_status(mountpoint: str | os.PathLike[str]) -> dict[str, Any]:
-    """A mount's ``.fsd/status`` as a dict, read unbuffered (Python's buffered ``open()`` would
-    ask ``isatty()``: an ioctl the daemon answers and counts in ``ops.ioctl``).
-
-    Raises ``FileNotFoundError`` when *mountpoint* is not an fsd mount."""
-    with open(os.path.join(mountpoint, CONTROL_NAME.decode(), "status"), "rb", buffering=0) as f:
-        return json.loads(f.read())
 
 
 class Counters:
@@ -129,26 +126,60 @@ def json_incomplete(doc: str) -> bool:
     return False
 
 
-class ControlDir:
-    """Serves the ``.fsd`` directory for an Operations class that delegates to it.
+@dataclass(frozen=True)
+class ControlAttr:
+    """Attributes of a control inode (:mod:`fsd.control_routes` turns them into FUSE's)."""
 
-    ``status_fn`` returns the mount's JSON-able status; ``apply_fn`` receives a
-    complete control document (bytes) on a worker thread and raises
-    ``ControlError``/``ValueError`` to refuse it.
+    ino: int
+    mode: int
+    nlink: int
+    size: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    ctime_ns: int
+    blksize: int = 4096
+    attr_timeout: float = 0.0  # status is re-rendered at every getattr
+    entry_timeout: float = 3600.0
+
+
+def _refused(code: int, message: str = "") -> OSError:
+    return OSError(code, message or os.strerror(code))
+
+
+class ControlDir:
+    """State of the ``.fsd`` directory for an Operations class that delegates to it.
+
+    ``status_fn`` returns the mount's JSON-able status; ``apply_fn`` receives a complete control
+    document (bytes) and raises ``ControlError``/``ValueError``/``OSError`` to refuse it; warnings
+    it returns go to ``.fsd/error``. *op_counts*: counts merged into the status's ``ops`` (the FUSE
+    side's own). *no_open*: the mount answers ``open`` with ENOSYS (the kernel's no-open mode),
+    ``.fsd`` included; *read_only*: attribute changes other than truncating ``control`` fail with
+    EROFS (else they are ignored). *clock*: how long an incomplete document has waited.
+
+    :meth:`write`, :meth:`open` (for writing), :meth:`flush` and :meth:`expire` are synchronous
+    and serialised by one ``threading.Lock`` (a write may run ``apply_fn``, which blocks): call
+    them off an event loop. The others read state and never wait.
     """
 
     def __init__(
         self,
         status_fn: Callable[[], dict[str, Any]],
-        apply_fn: Callable[[bytes], None] | None,
+        apply_fn: Callable[[bytes], list[str] | None] | None,
         *,
         counters: Counters | None = None,
-        limiter: trio.CapacityLimiter | None = None,
+        op_counts: Callable[[], dict[str, int]] | None = None,
+        no_open: bool = False,
+        read_only: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock
         self.status_fn = status_fn
+        self.no_open = no_open
+        self.read_only = read_only
         self.apply_fn = apply_fn
         self.counters = counters or Counters()
-        self.limiter = limiter or trio.CapacityLimiter(1)
+        self.op_counts = op_counts
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.started = time.time()
@@ -161,8 +192,8 @@ class ControlDir:
         self._error_mtime = time.time_ns()
         self._status_snapshot = b"{}\n"
         self._status_mtime = time.time_ns()
-        self._apply_lock = trio.Lock()
-        self._mutex = threading.Lock()
+        self._lock = threading.Lock()  # documents: write, truncate, flush, expire
+        self._mutex = threading.Lock()  # the status snapshot
 
     # -- namespace -----------------------------------------------------
     @staticmethod
@@ -170,76 +201,72 @@ class ControlDir:
         """True for the inodes of ``.fsd`` and its files."""
         return DIR_INODE <= ino <= ERROR_INODE
 
-    def lookup(self, parent: int, name: bytes) -> pyfuse3.EntryAttributes | None:
+    @staticmethod
+    def names(parent: int, name: bytes) -> bool:
+        """True if *name* under *parent* is a control entry (ENOENT or not: it is not the mount's)."""
+        return parent == DIR_INODE or (parent == ROOT_INODE and name == CONTROL_NAME)
+
+    def lookup(self, parent: int, name: bytes) -> ControlAttr | None:
         """Entry for *name* under *parent* if it is a control entry, else None."""
-        if parent == pyfuse3.ROOT_INODE and name == CONTROL_NAME:
+        if parent == ROOT_INODE and name == CONTROL_NAME:
             return self.getattr(DIR_INODE)
         if parent == DIR_INODE:
             ino = _FILES.get(name)
             if ino is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
+                raise _refused(errno.ENOENT)
             return self.getattr(ino)
         return None
 
-    def getattr(self, ino: int) -> pyfuse3.EntryAttributes:
+    def getattr(self, ino: int) -> ControlAttr:
         """Attributes of a control inode; ``status`` is re-rendered here."""
-        e = pyfuse3.EntryAttributes()
-        e.st_ino = ino
-        e.st_uid, e.st_gid = self.uid, self.gid
-        e.st_blksize = 4096
         start = int(self.started * 1e9)
-        e.st_ctime_ns = start
-        e.attr_timeout = 0
-        e.entry_timeout = 3600
         if ino == DIR_INODE:
-            e.st_mode = stat.S_IFDIR | 0o755
-            e.st_nlink = 2
-            e.st_mtime_ns = e.st_atime_ns = start
-            return e
-        e.st_mode = stat.S_IFREG | _MODES[ino]
-        e.st_nlink = 1
+            return ControlAttr(ino, stat.S_IFDIR | 0o755, 2, 0, self.uid, self.gid, start, start)
         if ino == STATUS_INODE:
             self._render_status()
-            e.st_size, mtime = len(self._status_snapshot), self._status_mtime
+            size, mtime = len(self._status_snapshot), self._status_mtime
         elif ino == ERROR_INODE:
-            e.st_size, mtime = len(self._error), self._error_mtime
+            size, mtime = len(self._error), self._error_mtime
+        elif ino == CONTROL_INODE:
+            size, mtime = len(self._pending), self._error_mtime
         else:
-            e.st_size, mtime = len(self._pending), self._error_mtime
-        e.st_mtime_ns = e.st_atime_ns = mtime
-        return e
+            raise _refused(errno.ENOENT)
+        return ControlAttr(ino, stat.S_IFREG | _MODES[ino], 1, size, self.uid, self.gid, mtime, start)
 
-    def readdir_entries(self) -> list[tuple[bytes, pyfuse3.EntryAttributes]]:
-        """(name, attrs) of the files in ``.fsd``."""
+    def entries(self) -> list[tuple[bytes, ControlAttr]]:
+        """(name, attrs) of the files in ``.fsd``, in readdir order."""
         return [(name, self.getattr(ino)) for name, ino in _FILES.items()]
 
-    async def readdir(self, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        """readdir of ``.fsd`` (the Operations class passes its token)."""
-        entries = self.readdir_entries()
-        for i in range(start_id, len(entries)):
-            name, attr = entries[i]
-            if not pyfuse3.readdir_reply(token, name, attr, i + 1):
-                break
+    def setattr(self, ino: int, truncate: bool) -> ControlAttr:
+        """Attributes after a setattr (*truncate*: it only sets the size to 0): truncating
+        ``control`` (``O_TRUNC``) is accepted; other changes fail on a read-only mount (EROFS)
+        and are ignored on another."""
+        if not (ino == CONTROL_INODE and truncate) and self.read_only:
+            raise _refused(errno.EROFS)
+        return self.getattr(ino)
 
-    def open(self, ino: int, flags: int) -> pyfuse3.FileInfo:
-        """FileInfo for a control file (open mode); fh is the inode."""
+    def open(self, ino: int, flags: int) -> None:
+        """Check an open of a control inode (open mode; the handle is the inode): ENOSYS in
+        no-open mode, EISDIR for the directory, EACCES for writing another file than ``control``.
+        Opening ``control`` with ``O_TRUNC`` drops a pending document (takes the lock)."""
+        if self.no_open:
+            raise _refused(errno.ENOSYS)
         if ino == DIR_INODE:
-            raise pyfuse3.FUSEError(errno.EISDIR)
+            raise _refused(errno.EISDIR)
         writing = flags & (os.O_WRONLY | os.O_RDWR)
         if writing and ino != CONTROL_INODE:
-            raise pyfuse3.FUSEError(errno.EACCES)
+            raise _refused(errno.EACCES)
         if writing and flags & os.O_TRUNC:
-            self._pending.clear()
+            with self._lock:
+                self._pending.clear()
         if ino == STATUS_INODE:
             self._render_status()  # one snapshot per open (direct_io)
-        return pyfuse3.FileInfo(fh=ino, direct_io=True, keep_cache=False)
 
     # -- data ----------------------------------------------------------
     def _ops(self) -> dict[str, int]:
-        """Operation counts; ``ioctl``: those pyfuse3's reader thread answered itself."""
         ops = dict(self.counters.ops)
-        fast_replies = getattr(pyfuse3, "fast_replies", None)  # fsd's pyfuse3 patch
-        if fast_replies is not None:
-            ops["ioctl"] = fast_replies()
+        if self.op_counts is not None:
+            ops.update(self.op_counts())
         return ops
 
     def _render_status(self) -> None:
@@ -278,7 +305,7 @@ class ControlDir:
         return self._status_snapshot
 
     def read(self, ino: int, off: int, size: int) -> bytes:
-        """Bytes of a control file at *off*."""
+        """Bytes of a control file at *off* (``status``: the snapshot of the last getattr/open)."""
         if ino == STATUS_INODE:
             data = self._status_snapshot
         elif ino == ERROR_INODE:
@@ -286,8 +313,13 @@ class ControlDir:
         elif ino == CONTROL_INODE:
             data = bytes(self._pending)
         else:
-            raise pyfuse3.FUSEError(errno.EISDIR)
+            raise _refused(errno.EISDIR)
         return data[off : off + size]
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of an incomplete document waiting for the rest."""
+        return len(self._pending)
 
     def record_error(self, message: str) -> None:
         """Make *message* the content of ``.fsd/error``."""
@@ -298,27 +330,46 @@ class ControlDir:
         self.counters.error("control")
         log.warning("control write refused: %s", message)
 
-    async def write(self, ino: int, off: int, buf: bytes) -> int:
-        """Accept a control write; apply the document when it is complete."""
+    def record_warning(self, message: str) -> None:
+        """Make *message* (about an applied document) the content of ``.fsd/error``."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+        self._error = f"{stamp} warning: {message}\n".encode()
+        self._error_mtime = time.time_ns()
+        log.warning("control document applied with a warning: %s", message)
+
+    def record_notice(self, message: str) -> None:
+        """Make *message* (what fsd found about the active plan, e.g. the mistake its reads show) the
+        content of ``.fsd/error``; any thread may call it."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+        self._error = f"{stamp} {message}\n".encode()
+        self._error_mtime = time.time_ns()
+        log.warning("%s", message)
+
+    def _refuse(self, message: str) -> OSError:
+        """Record *message* in ``.fsd/error``; the EINVAL to raise."""
+        self.record_error(message)
+        return _refused(errno.EINVAL, message)
+
+    def write(self, ino: int, off: int, buf: bytes) -> int:
+        """Accept a control write (its length); apply the document when it is complete.
+        A refused one raises ``OSError(EINVAL)`` with the reason in ``.fsd/error``. Blocks while
+        another write is applying a document."""
         if ino != CONTROL_INODE:
-            raise pyfuse3.FUSEError(errno.EACCES)
+            raise _refused(errno.EACCES)
         if self.apply_fn is None:
-            self.record_error("this mount takes no control documents")
-            raise pyfuse3.FUSEError(errno.EINVAL)
-        async with self._apply_lock:
-            self._expire_pending()
+            raise self._refuse("this mount takes no control documents")
+        with self._lock:
+            self._expire()
             if off == 0:
                 self._pending.clear()
             elif off != len(self._pending):
                 self._pending.clear()
-                self.record_error(f"control writes must be sequential (write at {off})")
-                raise pyfuse3.FUSEError(errno.EINVAL)
+                raise self._refuse(f"control writes must be sequential (write at {off})")
             if len(self._pending) + len(buf) > MAX_CONTROL_BYTES:
                 self._pending.clear()
-                self.record_error(f"control document larger than {MAX_CONTROL_BYTES} bytes")
-                raise pyfuse3.FUSEError(errno.EINVAL)
+                raise self._refuse(f"control document larger than {MAX_CONTROL_BYTES} bytes")
             self._pending += buf
-            self._pending_since = time.monotonic()
+            self._pending_since = self.clock()
             doc = bytes(self._pending)
             verdict = self._classify(doc)
             if verdict == "incomplete":
@@ -329,34 +380,46 @@ class ControlDir:
                     return len(buf)
             self._pending.clear()
             if verdict != "ok":
-                self.record_error(verdict)
-                raise pyfuse3.FUSEError(errno.EINVAL)
+                raise self._refuse(verdict)
             try:
-                await trio.to_thread.run_sync(self.apply_fn, doc, limiter=self.limiter)
+                warnings = self.apply_fn(doc)
             except (ControlError, ValueError) as e:
-                self.record_error(str(e))
-                raise pyfuse3.FUSEError(errno.EINVAL) from None
+                raise self._refuse(str(e)) from None
             except OSError as e:
-                self.record_error(f"{e.strerror or e}: {e.filename or ''}".strip(": "))
-                raise pyfuse3.FUSEError(errno.EINVAL) from None
+                raise self._refuse(f"{e.strerror or e}: {e.filename or ''}".strip(": ")) from None
+            if warnings:
+                self.record_warning("\n".join(warnings))
             self._applied += 1
             self._last_ok = time.time()
             log.info("control document applied (%d bytes)", len(doc))
             return len(buf)
 
-    def flush_pending(self) -> None:
-        """At close (open mode): an incomplete document is an error."""
-        if self._pending:
-            n = len(self._pending)
-            self._pending.clear()
-            self.record_error(f"incomplete JSON control document ({n} bytes) at close")
-            raise pyfuse3.FUSEError(errno.EINVAL)
+    def flush(self, ino: int) -> None:
+        """A control file's close (open mode): an incomplete document in ``control`` is dropped
+        and the close fails with EINVAL. ENOSYS in no-open mode (the kernel sends no close)."""
+        if self.no_open:
+            raise _refused(errno.ENOSYS)
+        if ino != CONTROL_INODE:
+            return
+        with self._lock:
+            if self._pending:
+                n = len(self._pending)
+                self._pending.clear()
+                raise self._refuse(f"incomplete JSON control document ({n} bytes) at close")
 
-    def _expire_pending(self) -> None:
-        if self._pending and time.monotonic() - self._pending_since > INCOMPLETE_TIMEOUT:
+    def expire(self) -> bool:
+        """Drop an incomplete document that waited over ``INCOMPLETE_TIMEOUT`` for its remaining
+        bytes, recording why in ``.fsd/error``; True if one was dropped."""
+        with self._lock:
+            return self._expire()
+
+    def _expire(self) -> bool:
+        if self._pending and self.clock() - self._pending_since > INCOMPLETE_TIMEOUT:
             n = len(self._pending)
             self._pending.clear()
             self.record_error(f"incomplete JSON control document ({n} bytes) dropped")
+            return True
+        return False
 
     @staticmethod
     def _classify(doc: bytes) -> str:
@@ -381,10 +444,3 @@ class ControlDir:
                 return "incomplete"
             return f"malformed JSON: {e}"
         return "ok"
-
-    async def expire_loop(self) -> None:
-        """Background task: drop incomplete documents nobody completes."""
-        while True:
-            await trio.sleep(INCOMPLETE_TIMEOUT / 2)
-            async with self._apply_lock:
-                self._expire_pending()

@@ -1,4 +1,7 @@
-"""One place that maps domain errors to errno for FUSE replies."""
+"""One place that maps domain errors to errno for FUSE replies.
+
+pyfuse3 is imported by the functions that need it, not by this module: the CLI's error type
+lives here, and ``fsd status`` must not load the FUSE library (:mod:`fsd.status`)."""
 
 from __future__ import annotations
 
@@ -7,8 +10,6 @@ import logging
 from collections.abc import Callable, Coroutine
 from functools import wraps
 from typing import Any, TypeVar
-
-import pyfuse3
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,8 @@ class ControlError(ValueError):
 
 def to_errno(exc: BaseException) -> int:
     """The errno a FUSE reply should carry for *exc*."""
+    import pyfuse3
+
     if isinstance(exc, pyfuse3.FUSEError):
         return exc.errno
     if isinstance(exc, OSError) and exc.errno:
@@ -42,17 +45,20 @@ def fuse_errors(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Coro
     ``OSError`` keeps its errno; anything unexpected is logged with its
     traceback and answered with EIO, so a bug never tears down the session.
     """
+    import pyfuse3
+
+    fuse_error = pyfuse3.FUSEError
 
     @wraps(fn)
     async def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
             return await fn(*args, **kwargs)
-        except pyfuse3.FUSEError:
+        except fuse_error:
             raise
         except OSError as e:
-            raise pyfuse3.FUSEError(to_errno(e)) from None
+            raise fuse_error(to_errno(e)) from None
         except Exception:
             log.exception("unexpected error in %s", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            raise fuse_error(errno.EIO) from None
 
     return wrapper

@@ -3,6 +3,13 @@
 A mount sits *over* its source directory by default: the directory is opened
 before mounting and the Operations class serves the original files through
 that fd, so unmodified code keeps its paths. One pyfuse3 session per process.
+
+Each mount has one composition root (:class:`MountRoot`; the dataset mount's is
+:class:`fsd.data.root.DataMount`): :func:`serve` gives it a
+``contextlib.AsyncExitStack`` to build its components on before the mount exists,
+and one to start their background work on once it does, each component
+registering its own teardown; leaving the stacks tears them down in reverse
+(the started work first), then unmounts.
 """
 
 from __future__ import annotations
@@ -14,14 +21,16 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Self
 
 import pyfuse3
 import trio
 
-from fsd.control import read_status
 from fsd.errors import FsdError
+from fsd.status import read_status
+from fsd.threads import start_thread
 
 log = logging.getLogger(__name__)
 
@@ -105,30 +114,57 @@ def open_dir(path: Path) -> int:
         raise FsdError(f"cannot open {path}: {e.strerror}") from None
 
 
-def serve(ops: Any, mountpoint: Path, *, options: list[str], ready: Callable[[], None] | None = None) -> None:
-    """Mount *ops* at *mountpoint* and serve until unmounted or signalled.
+class MountRoot(Protocol):
+    """A mount's composition root: what :func:`serve` runs.
 
-    *ops* provides ``async start(nursery)`` and ``async stop()``. SIGINT and
-    SIGTERM stop the background work, then unmount cleanly.
+    ``build`` makes every component and the Operations class (before the mount exists: an
+    in-place mount opens its source first) and ``start`` starts their background work once
+    mounted; both push each component's teardown on the stack they are given as they go. The
+    stack ``start`` gets is left first, inside the nursery the background work runs in; then
+    ``build``'s, each in reverse; then the mount goes."""
+
+    options: list[str]
+
+    async def build(self, stack: AsyncExitStack) -> Any: ...
+
+    async def start(self, stack: AsyncExitStack, nursery: trio.Nursery) -> None: ...
+
+
+class _Session:
+    """The pyfuse3 session of the process: entered first on the stack, so unmounted last."""
+
+    def __init__(self, mountpoint: Path) -> None:
+        self.mountpoint = mountpoint
+        self.mounted = False
+        self.clean = False
+
+    def mount(self, ops: Any, options: list[str]) -> None:
+        try:
+            pyfuse3.init(ops, str(self.mountpoint), options)
+        except RuntimeError as e:
+            raise FsdError(f"cannot mount at {self.mountpoint}: {e}") from None
+        self.mounted = True
+        log.info("mounted at %s (%s)", self.mountpoint, ",".join(options))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.mounted:
+            pyfuse3.close(unmount=True)
+            log.info("unmounted %s%s", self.mountpoint, "" if self.clean else " after an error")
+
+
+def serve(root: MountRoot, mountpoint: Path, *, ready: Callable[[], None] | None = None) -> None:
+    """Build *root*'s mount at *mountpoint* and serve until unmounted or signalled.
+
+    SIGINT and SIGTERM stop the background work, then unmount cleanly.
     """
     # A signal between the mount appearing and the trio receiver must not kill the daemon with
     # the mount left behind: remember it, and _watch_signals acts on it first.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda n, _f: _early_signals.append(n))
-    try:
-        pyfuse3.init(ops, str(mountpoint), options)
-    except RuntimeError as e:
-        raise FsdError(f"cannot mount at {mountpoint}: {e}") from None
-    log.info("mounted at %s (%s)", mountpoint, ",".join(options))
-    clean = False
-    try:
-        if ready is not None:
-            ready()
-        trio.run(_main, ops)
-        clean = True
-    finally:
-        pyfuse3.close(unmount=True)
-        log.info("unmounted %s%s", mountpoint, "" if clean else " after an error")
+    trio.run(_main, root, mountpoint, ready)
 
 
 #: How often the daemon hands freed heap back to the kernel.
@@ -156,15 +192,23 @@ async def _trim_heap() -> None:
 _early_signals: list[int] = []
 
 
-async def _main(ops: Any) -> None:
-    async with trio.open_nursery() as nursery:
-        await nursery.start(_watch_signals)
-        await ops.start(nursery)
-        nursery.start_soon(_trim_heap)
-        await pyfuse3.main()
-        # the kernel side went away (fusermount -u): finish background work
-        await ops.stop()
-        nursery.cancel_scope.cancel()
+async def _main(root: MountRoot, mountpoint: Path, ready: Callable[[], None] | None) -> None:
+    with _Session(mountpoint) as session:  # unmounts last
+        async with AsyncExitStack() as built:  # what build() made: torn down once the work below ended
+            ops = await root.build(built)  # errors here reach the CLI as they are (no nursery yet)
+            session.mount(ops, root.options)
+            async with trio.open_nursery() as nursery:
+                async with AsyncExitStack() as started:  # background work, stopped inside the nursery
+                    await nursery.start(_watch_signals)
+                    await root.start(started, nursery)
+                    nursery.start_soon(_trim_heap)
+                    if ready is not None:
+                        ready()
+                    await pyfuse3.main()
+                    # the kernel side went away (fusermount -u), or a signal: leaving the stack
+                    # finishes the background work
+                nursery.cancel_scope.cancel()
+        session.clean = True
 
 
 async def _watch_signals(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -183,8 +227,6 @@ async def _watch_signals(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
 
 def _daemon_pid(path: Path, timeout: float = 5.0) -> int | None:
     """The daemon's pid from ``.fsd/status``; None if it does not answer in time."""
-    import threading
-
     out: list[int | None] = [None]
 
     def read() -> None:
@@ -193,9 +235,7 @@ def _daemon_pid(path: Path, timeout: float = 5.0) -> int | None:
         except (OSError, ValueError):
             pass
 
-    t = threading.Thread(target=read, daemon=True)  # a hung daemon must not hang unmount
-    t.start()
-    t.join(timeout)
+    start_thread(read, name="fsd-status-read").join(timeout)  # a hung daemon must not hang unmount
     return out[0]
 
 

@@ -5,10 +5,11 @@ Keeping every such import here means a move of a core module touches one file.
 
 from __future__ import annotations
 
-from fsd.cli import parse_size as _parse_size
+from fsd.sizes import parse_size as _parse_size
 from fsd.errors import FsdError
 from fsd.plan.document import Plan, PlanError, parse_plan
 from fsd.plan.sampler import distributed_epoch, distributed_sizes
+from fsd.threads import start_thread
 
 
 def parse_size(text: str | int) -> int:
@@ -25,4 +26,5 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"not a size: {text!r} (use e.g. 512M, 16G)") from None
 
 
-__all__ = ["FsdError", "Plan", "PlanError", "distributed_epoch", "distributed_sizes", "parse_plan", "parse_size"]
+__all__ = ["FsdError", "Plan", "PlanError", "distributed_epoch", "distributed_sizes", "parse_plan", "parse_size",
+           "start_thread"]

@@ -1,0 +1,420 @@
+"""Where a cluster node's dataset fetches come from: its own store, the owner peer, or the PFS.
+
+One :class:`ClusterSource` per shared plan. The dataset cache's fetch threads call
+:meth:`ClusterSource.read` (whole files) instead of reading the PFS:
+
+- a file this node owns comes from this node's store (:class:`OwnedStore`, the cluster's
+  share of the RAM tier), else it is read from the PFS once (one read per file even when
+  this node's prefetcher and several peers ask at the same time) and kept in the store when
+  the owner map says the cluster caches it;
+- a file another node owns is fetched from that node: the requests of all fetch threads
+  for one owner are gathered into batches (:class:`_OwnerQueue`, one streaming call per
+  batch, in the order the prefetcher asked, i.e. access order), each bounded by the
+  cluster's ``fetch_timeout``; whatever the owner does not deliver (down, slow, refusing,
+  another plan, missing) is read from the PFS and counted as a fallback. The cache also passes
+  the files its plan reads next that nothing holds yet: they are asked for in the same batches
+  (look-ahead, bounded by ``AHEAD_FILES`` / ``AHEAD_BYTES``) and taken when their fetch comes.
+
+:meth:`ClusterSource.serve` answers a peer's request (grpc threads): only owned files (and
+what the small :class:`RecentBuffer` holds), by file id; the bytes are the PFS's own.
+Everything here blocks: worker threads only, never the trio loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import stats as st
+from .compat import start_thread
+from .ownership import Ownership
+from .transport import PeerClient, Peers
+
+log = logging.getLogger(__name__)
+
+HELLO_EVERY_S = 0.5
+"""How often a peer with another plan (or none yet) is asked again before fetching from it."""
+HELLO_GRACE_EVERY_S = 0.05
+"""The same while the plan is new (the peers are applying theirs): a batch waits for them."""
+RECENT_BYTES = 4 << 20
+"""Most bytes of recently read files kept for a peer's request that follows (at most 1/32 of the
+store as well: it is memory beyond the node's tier budget, not a second cache)."""
+BATCH_THREADS = 2
+"""Streaming calls in flight per owner."""
+AHEAD_FILES = 16
+"""Most files asked for ahead of their fetch (look-ahead) and not taken yet ..."""
+AHEAD_BYTES = 4 << 20
+"""... and their most bytes: memory beyond the node's tier budget."""
+
+
+class PfsFiles(Protocol):
+    """The PFS side of the dataset (:class:`fsd.data.backend.Backend`)."""
+
+    def read_file(self, file_id: int) -> bytes: ...
+
+    def size(self, file_id: int) -> int: ...
+
+
+class OwnedStore:
+    """File id -> bytes of the owned files the cluster caches here, at most *capacity* bytes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(0, int(capacity))
+        self.used = 0
+        self._data: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+
+    def get(self, fid: int) -> bytes | None:
+        return self._data.get(fid)
+
+    def put(self, fid: int, data: bytes) -> bool:
+        """Keep *data* if it fits (the owner map keeps each node's share within its capacity)."""
+        with self._lock:
+            if fid in self._data:
+                return True
+            if self.used + len(data) > self.capacity:
+                return False
+            self._data[fid] = data
+            self.used += len(data)
+            return True
+
+    def drop(self, fid: int) -> None:
+        with self._lock:
+            d = self._data.pop(fid, None)
+            if d is not None:
+                self.used -= len(d)
+
+    def keep_only(self, keep: Callable[[int], bool]) -> None:
+        """Drop every file for which *keep* is false (a new owner map)."""
+        with self._lock:
+            for fid in [f for f in self._data if not keep(f)]:
+                self.used -= len(self._data.pop(fid))
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class RecentBuffer:
+    """The most recently read files, up to *capacity* bytes (least recently used go first)."""
+
+    def __init__(self, capacity: int = RECENT_BYTES) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._data: OrderedDict[int, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, fid: int) -> bytes | None:
+        with self._lock:
+            d = self._data.get(fid)
+            if d is not None:
+                self._data.move_to_end(fid)
+            return d
+
+    def put(self, fid: int, data: bytes) -> None:
+        if len(data) > self.capacity:
+            return
+        with self._lock:
+            old = self._data.pop(fid, None)
+            if old is not None:
+                self.used -= len(old)
+            self._data[fid] = data
+            self.used += len(data)
+            while self.used > self.capacity:
+                _, d = self._data.popitem(last=False)
+                self.used -= len(d)
+
+    def drop(self, fid: int) -> None:
+        with self._lock:
+            d = self._data.pop(fid, None)
+            if d is not None:
+                self.used -= len(d)
+
+
+@dataclass
+class SourceCounters:
+    """Where this node's fetched bytes came from, and what it read from the PFS for peers."""
+
+    local_bytes: int = 0         # owned files served from the store / recent buffer
+    local_files: int = 0
+    peer_bytes: int = 0          # fetched from their owner
+    peer_files: int = 0
+    pfs_bytes: int = 0           # every PFS read this source made (owned files, fallbacks)
+    pfs_files: int = 0
+    fallback_bytes: int = 0      # of pfs_bytes: files another node owns (it did not deliver)
+    fallback_files: int = 0
+    served_pfs_reads: int = 0    # owned files read from the PFS because a peer asked
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+class _Slot:
+    __slots__ = ("data", "event")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.data: bytes | None = None
+
+
+class _OwnerQueue:
+    """Gathers the fetch threads' requests for one owner into batches; ``BATCH_THREADS`` calls at once."""
+
+    def __init__(self, client: PeerClient, max_batch: int, grace_until: float) -> None:
+        self.client = client
+        self.max_batch = max_batch
+        self.grace_until = grace_until
+        self.q: queue.Queue[list[tuple[int, _Slot]] | None] = queue.Queue()
+        self._hello_at = 0.0
+        self._hello_lock = threading.Lock()
+        self.threads = [start_thread(self._run, name=f"fsd-peer-{client.node}-{i}") for i in range(BATCH_THREADS)]
+
+    def submit(self, fids: Sequence[int]) -> list[_Slot]:
+        """Ask for *fids* (in one batch where it fits); each slot's event is set when its bytes (or
+        None: read the PFS) are there."""
+        slots = [_Slot() for _ in fids]
+        if slots:
+            self.q.put(list(zip(fids, slots)))
+        return slots
+
+    def wait(self, slot: _Slot, wait_s: float) -> bytes | None:
+        """The slot's bytes, or None (read the PFS instead) if they are not there within *wait_s*."""
+        if not slot.event.wait(wait_s):
+            self.client.stats.add(timeouts=1)
+            return None
+        return slot.data
+
+    def close(self) -> None:
+        """Let the threads end after their batch (not waited for: a batch to a hung peer ends at its
+        deadline, or when the channel closes at unmount)."""
+        for _ in self.threads:
+            self.q.put(None)
+
+    def _ready(self) -> bool:
+        """Whether a call may go out now: not while the breaker is open, and a peer that is not
+        known to share the plan is asked (Hello, at most every ``HELLO_EVERY_S``) first, so that a
+        peer still without the plan does not trip the breaker. Until ``grace_until`` (a plan just
+        applied: the other nodes are applying theirs) the batch waits for the peer to have it
+        rather than read the PFS for it."""
+        c = self.client
+        while True:
+            if c.breaker.current_state == "open":
+                c.stats.add(skipped_batches=1)
+                return False
+            if c.stats.state in (st.UP, st.SLOW, st.DOWN, st.ERROR, st.BACKOFF):
+                return True
+            grace = time.monotonic() < self.grace_until
+            with self._hello_lock:
+                now = time.monotonic()
+                if now - self._hello_at >= (HELLO_GRACE_EVERY_S if grace else HELLO_EVERY_S):
+                    self._hello_at = now
+                    if c.hello() == st.UP:
+                        return True
+            if not grace:
+                return False
+            time.sleep(HELLO_GRACE_EVERY_S)
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            slots: dict[int, list[_Slot]] = {}
+            stop = False
+            while item is not None:
+                for fid, slot in item:
+                    slots.setdefault(fid, []).append(slot)
+                if len(slots) >= self.max_batch:
+                    break
+                try:
+                    item = self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+            try:
+                if self._ready():
+                    for fid, data in self.client.fetch(list(slots)):
+                        for s in slots.pop(fid, ()):
+                            s.data = data
+                            s.event.set()
+                else:
+                    self.client.stats.add(fallbacks=len(slots))
+            except Exception:
+                log.exception("cluster: fetch from node %d failed", self.client.node)
+            finally:
+                for ss in slots.values():
+                    for s in ss:
+                        s.event.set()  # data None: the PFS
+            if stop:
+                return
+
+
+class ClusterSource:
+    """This node's fetches under one shared plan (see the module docstring)."""
+
+    def __init__(self, node_index: int, own: Ownership, sizes: np.ndarray, pfs: PfsFiles, peers: Peers,
+                 store: OwnedStore, recent: RecentBuffer, counters: SourceCounters, *, fetch_timeout: float,
+                 connect_timeout: float, max_batch: int) -> None:
+        self.node = node_index
+        self.own = own
+        self.sizes = sizes
+        self.pfs = pfs
+        self.store = store
+        self.recent = recent
+        self.counters = counters
+        self.wait_s = 2 * fetch_timeout + connect_timeout  # a batch before ours, then ours
+        grace_until = time.monotonic() + fetch_timeout
+        self.queues = {k: _OwnerQueue(c, max_batch, grace_until) for k, c in peers.clients.items()}
+        self._inflight: dict[int, threading.Event] = {}
+        self._ahead: OrderedDict[int, tuple[_Slot, float]] = OrderedDict()  # fid -> (slot, asked at)
+        self._ahead_bytes = 0
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def owns(self, fid: int) -> bool:
+        return 0 <= fid < len(self.own.owner) and int(self.own.owner[fid]) == self.node
+
+    # ------------------------------------------------------------------ this node's fetches
+    def read(self, fid: int, queued: Sequence[int] = ()) -> bytes:
+        """The whole of file *fid* for the dataset cache (fetch thread; OSError like a PFS read).
+
+        *queued*: the cache's fetches queued after this one (access order, staging reserved for
+        them); those of other owners are asked for now, in the same batches (look-ahead), and
+        taken from here when their fetch runs."""
+        if self.owns(fid):
+            data, local = self._owned(fid, for_peer=False)
+            if local:
+                self.counters.add(local_bytes=len(data), local_files=1)
+            self._ask_ahead(queued)
+            return data
+        owner = int(self.own.owner[fid]) if 0 <= fid < len(self.own.owner) else -1
+        q = self.queues.get(owner)
+        data = None
+        if q is not None and not self.closed:
+            with self._lock:
+                got = self._ahead.pop(fid, None)
+                if got is not None:
+                    self._ahead_bytes -= int(self.sizes[fid])
+            slot = got[0] if got is not None else None
+            mine = self._ask_ahead(queued, (owner, fid) if slot is None else None)
+            data = q.wait(slot if slot is not None else mine, self.wait_s)  # type: ignore[arg-type]
+        if data is not None:
+            self.counters.add(peer_bytes=len(data), peer_files=1)
+            return data
+        data = self.pfs.read_file(fid)
+        self.counters.add(pfs_bytes=len(data), pfs_files=1, fallback_bytes=len(data), fallback_files=1)
+        return data
+
+    def _ask_ahead(self, queued: Sequence[int], first: tuple[int, int] | None = None) -> _Slot | None:
+        """Ask the owners for the queued files of theirs not asked for yet (at most ``AHEAD_FILES``
+        outstanding; the oldest untaken go first), each owner's in one request; *first*
+        ``(owner, fid)`` goes at the head of its owner's. Returns *first*'s slot."""
+        owner = self.own.owner
+        n = len(owner)
+        asks: dict[int, list[int]] = {first[0]: [first[1]]} if first is not None else {}
+        with self._lock:
+            # what was asked for earlier is used sooner: never pushed out, only dropped when its
+            # fetch did not come (a plan change) within the wait bound
+            stale = time.monotonic() - self.wait_s
+            while self._ahead and next(iter(self._ahead.values()))[1] < stale:
+                f, _ = self._ahead.popitem(last=False)
+                self._ahead_bytes -= int(self.sizes[f])
+            room = AHEAD_FILES - len(self._ahead)
+            for f in queued:
+                f = int(f)
+                if room <= 0:
+                    break
+                if not 0 <= f < n or f in self._ahead or (first is not None and f == first[1]):
+                    continue
+                k = int(owner[f])
+                if k not in self.queues:  # ours: its own fetch reads it
+                    continue
+                if self._ahead_bytes + int(self.sizes[f]) > AHEAD_BYTES:
+                    break
+                asks.setdefault(k, []).append(f)
+                self._ahead_bytes += int(self.sizes[f])
+                room -= 1
+            mine = None
+            now = time.monotonic()
+            for k, fids in asks.items():
+                slots = self.queues[k].submit(fids)
+                for f, slot in zip(fids, slots):
+                    if first is not None and (k, f) == first:
+                        mine = slot
+                        continue
+                    self._ahead[f] = (slot, now)
+        return mine
+
+    def _owned(self, fid: int, for_peer: bool) -> tuple[bytes, bool]:
+        """An owned file: ``(bytes, from memory)``; read from the PFS by one thread at a time."""
+        while True:
+            d = self.store.get(fid)
+            if d is None:
+                d = self.recent.get(fid)
+            if d is not None:
+                return d, True
+            with self._lock:
+                ev = self._inflight.get(fid)
+                mine = ev is None
+                if mine:
+                    ev = self._inflight[fid] = threading.Event()
+            if not mine:
+                ev.wait()
+                continue  # the other reader stored it (or failed: then we try ourselves)
+            try:
+                data = self.pfs.read_file(fid)
+                self.counters.add(pfs_bytes=len(data), pfs_files=1, served_pfs_reads=int(for_peer))
+                if not (self.own.cached[fid] and self.store.put(fid, data)):
+                    self.recent.put(fid, data)
+                return data, False
+            finally:
+                with self._lock:
+                    self._inflight.pop(fid, None)
+                ev.set()
+
+    # ------------------------------------------------------------------ a peer's request
+    def serve(self, fid: int) -> bytes | None:
+        """*fid*'s bytes for a peer (grpc thread): owned files, or a recent copy; else None."""
+        if self.closed:
+            return None
+        if self.owns(fid):
+            return self._owned(fid, for_peer=True)[0]
+        return self.recent.get(fid)
+
+    def invalidate(self, fid: int) -> None:
+        """The PFS file changed: forget this node's copies."""
+        self.store.drop(fid)
+        self.recent.drop(fid)
+        with self._lock:
+            if self._ahead.pop(fid, None) is not None:
+                self._ahead_bytes -= int(self.sizes[fid])
+
+    def status(self) -> dict[str, Any]:
+        return {"owned_files": int(np.count_nonzero(self.own.owner == self.node)),
+                "owned_cached_files": int(np.count_nonzero((self.own.owner == self.node) & self.own.cached)),
+                "store_files": len(self.store), "store_bytes": self.store.used,
+                "store_capacity": self.store.capacity}
+
+    def close(self) -> None:
+        """Stop the owner queues (their calls end within the fetch timeout; not waited for)."""
+        self.closed = True
+        for q in self.queues.values():
+            q.close()
+
+
+__all__ = ["RECENT_BYTES", "ClusterSource", "OwnedStore", "PfsFiles", "RecentBuffer", "SourceCounters"]

@@ -1,0 +1,71 @@
+"""What a mount shows at its root, by name, and reading a mount's status from outside.
+
+Every mount has a virtual control directory, ``.fsd``, with three files: ``control`` (write a JSON
+document to reconfigure the mount), ``status`` (a JSON snapshot) and ``error`` (the last refused
+control write). Their names are spelled here only. This module imports neither pyfuse3 nor trio:
+the CLI's ``fsd status``, the tools and the tests read a mount's status with the standard library
+alone (:func:`read_status`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+#: The control directory at the root of every mount (shadows a source entry of that name).
+CONTROL_DIR = ".fsd"
+CONTROL_FILE = "control"
+STATUS_FILE = "status"
+ERROR_FILE = "error"
+
+#: Extended attribute of a checkpoint mount's file: ``b"1"`` once its content is in the backing
+#: directory under its name (drained, or never left it), else ``b"0"`` (``fsd drained PATH``).
+DRAINED_XATTR = "user.fsd.drained"
+#: Extended attribute set on a checkpoint mount's root before unmounting: ``b"no-wait-drain"``
+#: makes the daemon leave at once and the next mount over the same devices finish the drain.
+UNMOUNT_XATTR = "user.fsd.unmount"
+NO_WAIT_DRAIN = b"no-wait-drain"
+
+
+def control_path(mountpoint: str | os.PathLike[str], name: str = "") -> str:
+    """The path of control file *name* (or of the control directory itself) of the mount at *mountpoint*."""
+    return os.path.join(mountpoint, CONTROL_DIR, name) if name else os.path.join(mountpoint, CONTROL_DIR)
+
+
+def read_status(mountpoint: str | os.PathLike[str]) -> dict[str, Any]:
+    """A mount's ``.fsd/status`` as a dict, read unbuffered (Python's buffered ``open()`` would
+    ask ``isatty()``: an ioctl the daemon answers and counts in ``ops.ioctl``).
+
+    Raises ``FileNotFoundError`` when *mountpoint* is not an fsd mount."""
+    with open(control_path(mountpoint, STATUS_FILE), "rb", buffering=0) as f:
+        return json.loads(f.read())
+
+
+def _mib(n: Any) -> str:
+    return f"{(n or 0) / 2**20:.1f} MiB"
+
+
+def cluster_lines(doc: dict[str, Any]) -> list[str]:
+    """``fsd status``'s summary of a cluster node (the ``cluster`` key of a status), one line per peer."""
+    cl = doc.get("cluster")
+    if not isinstance(cl, dict):
+        return []
+    fp = cl.get("fingerprint") or ""
+    how = f"sharing plan {fp[:12]}" if cl.get("sharing") else f"not sharing: {cl.get('not_sharing_because')}"
+    b = cl.get("bytes") or {}
+    out = [f"cluster: node {cl.get('node')} of {len(cl.get('nodes') or [])} ({cl.get('listen')}), {how}",
+           f"cluster bytes: PFS {_mib(b.get('pfs'))}, peers {_mib(b.get('peers'))}, local store "
+           f"{_mib(b.get('local_store'))}, served to peers {_mib(b.get('served_to_peers'))}"]
+    for p in cl.get("peers") or []:
+        lat = p.get("latency_ewma_s")
+        out.append(f"  peer {p.get('node')} {p.get('address')}: {p.get('state')}; fetched {p.get('fetched_samples')} "
+                   f"({_mib(p.get('fetched_bytes'))}), served {p.get('served_samples')} "
+                   f"({_mib(p.get('served_bytes'))}), latency {'-' if lat is None else f'{lat * 1000:.1f} ms'}, "
+                   f"fallbacks {p.get('fallbacks')}, errors {p.get('errors')}, timeouts {p.get('timeouts')}, "
+                   f"refusals {p.get('refusals')}")
+    return out
+
+
+__all__ = ["CONTROL_DIR", "CONTROL_FILE", "DRAINED_XATTR", "ERROR_FILE", "NO_WAIT_DRAIN", "STATUS_FILE",
+           "UNMOUNT_XATTR", "cluster_lines", "control_path", "read_status"]
