@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fsd.control import read_status
+from fsd.status import read_status
 
 REPO = Path(__file__).resolve().parents[1]
 FSD = [sys.executable, "-m", "fsd.cli"]
@@ -193,3 +193,55 @@ def wait_for(cond: Callable[[], object], timeout: float = 20.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+class Kernel:
+    """A page-cache port (:class:`fsd.data.ports.PageCachePort`) for the dataset cache's unit
+    tests, from callables keyed by file id: a cache built without an inode map uses file ids as
+    inodes. ``push(fid, data)`` is called once per store, as the mount's port calls
+    ``notify_store``; the other callables are optional, as on a mount without them."""
+
+    def __init__(self, push: Callable[[int, bytes], bool],
+                 push_file: Callable[[int, str, int, int], bool] | None = None,
+                 cached: Callable[[int, int], bool | None] | None = None,
+                 drop: Callable[[int], None] | None = None,
+                 known: Callable[[int], bool] | None = None) -> None:
+        self._push, self._push_file, self._cached, self._drop, self._known = push, push_file, cached, drop, known
+        self.can_store_file = push_file is not None
+        self.can_verify = cached is not None
+        self.can_drop = drop is not None
+
+    def known(self, ino: int) -> bool:
+        return self._known is None or self._known(ino)
+
+    def store(self, ino: int, data: bytes, stores: int) -> bool:
+        ok = bool(self._push(ino, data))
+        if ok:
+            for _ in range(stores - 1):
+                self._push(ino, data)
+        return ok
+
+    def store_file(self, ino: int, path: str, n: int, stores: int) -> bool:
+        assert self._push_file is not None
+        return self._push_file(ino, path, n, stores)
+
+    def cached(self, ino: int, n: int) -> bool | None:
+        assert self._cached is not None
+        return self._cached(ino, n)
+
+    def drop(self, ino: int) -> None:
+        assert self._drop is not None
+        self._drop(ino)
+
+
+class ManualClock:
+    """A clock a test moves by hand (``clock.advance(s)``), for a cache driven with ``step()``."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, s: float) -> None:
+        self.t += s

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 
 import emulate  # noqa: E402
@@ -52,7 +52,7 @@ def test_failing_device_reaches_writer_others_stay_readable(tmp_path: Path, moun
         back.mkdir()
         mnt.mkdir()
         m = mounter(["--checkpoints", back, "--at", mnt, "--devices", ",".join(map(str, devices)),
-                     "--stripe-size", "1M", "--dirty-limit", "32M"], mnt)
+                     "--stripe-size", "1M", "--dirty-limit", "32M", "--no-drain"], mnt)
         try:
             _exercise(m, mnt, emu, devices)
         finally:

@@ -1,7 +1,7 @@
 """The checkpoint namespace without a mount: names, durability order, recovery by a new namespace.
 
 Real write-back and real manifests on directories standing in for the devices; the FUSE layer
-(:mod:`fsd.ckptfs`) is covered by ``test_ckpt_mount.py``."""
+(:mod:`fsd.ckpt.operations`) is covered by ``test_ckpt_mount.py``."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-import time
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -26,12 +26,12 @@ from fsd.plan.access_stream import (
     future_counts,
     id_dtype,
     interleave_epoch,
-    next_use,
     rank_dtype,
 )
+from fsd.plan.belady import NEVER, next_use
 from fsd.plan.document import Plan, PlanError, parse_plan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 
@@ -125,8 +125,8 @@ def test_interleave_partial_last_step() -> None:
 @given(st.integers(1, 4), st.sampled_from([1, 3, 32]), st.integers(1, 300))
 def test_every_rank_gets_beacons_at_every_spacing(n_ranks: int, batch: int, per_rank: int) -> None:
     """Beacon levels count each rank's own accesses: at per-rank spacing 2**k every rank has a beacon at
-    its accesses 0, 2**k, 2*2**k, ..., whatever the interleaving (was: stream positions that are
-    multiples of the spacing, all in rank 0's batches once the spacing reached ranks x batch)."""
+    its accesses 0, 2**k, 2*2**k, ..., whatever the interleaving (stream positions that are multiples
+    of the spacing would all fall in rank 0's batches once the spacing reaches ranks x batch)."""
     idx = np.arange(n_ranks * per_rank).reshape(n_ranks, per_rank)
     _, ranks = interleave_epoch(idx, np.arange(n_ranks) * 3, batch)
     levels = beacon_levels(np.concatenate([ranks, ranks]), 2 * len(ranks))  # two epochs: ordinals carry on
@@ -162,8 +162,8 @@ def _stream(ids: list[int]) -> NodeStream:
 @given(st.lists(st.integers(0, 15), max_size=80), st.integers(0, 90))
 def test_next_use_and_future_counts_match_naive(ids: list[int], pos: int) -> None:
     s = _stream(ids)
-    nu = next_use(s)
-    want = [next((j for j in range(i + 1, len(ids)) if ids[j] == ids[i]), len(ids)) for i in range(len(ids))]
+    nu = next_use(s.file_ids)
+    want = [next((j for j in range(i + 1, len(ids)) if ids[j] == ids[i]), NEVER) for i in range(len(ids))]
     assert nu.tolist() == want and nu.dtype == np.int64
     fc = future_counts(s, pos, n_files=16)
     c = Counter(ids[pos:])
@@ -173,14 +173,22 @@ def test_next_use_and_future_counts_match_naive(ids: list[int], pos: int) -> Non
 
 @pytest.mark.timeout(120)
 def test_imagenet_1k_scale_node_stream() -> None:
-    """1.28M samples, 90 epochs, 8 ranks of 1024: the issue's <= 10 s target (with slack for a busy box)."""
+    """1.28M samples, 90 epochs, 8 ranks of 1024: the stream is 6 bytes an access (int32 file ids,
+    int16 ranks), and building it holds little more than the stream (no epoch's permutation of the
+    whole dataset kept). How long it takes is ``tools/plan-cost``'s figure."""
     plan = Plan(epochs=90, sampler="distributed", seed=0, num_replicas=1024, ranks=tuple(range(8)),
                 batch_size=256, num_workers=8)
-    t0 = time.perf_counter()
-    st_ = build_node_stream(plan, 1_281_167)
-    took = time.perf_counter() - t0
+    tracemalloc.start()
+    try:
+        st_ = build_node_stream(plan, 1_281_167)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
     assert st_.file_ids.size == 90 * 8 * 1252
-    assert took < 20.0, took
+    assert st_.file_ids.dtype == np.int32 and st_.ranks.dtype == np.int16
+    size = st_.file_ids.nbytes + st_.ranks.nbytes
+    assert size == 6 * 90 * 8 * 1252
+    assert peak <= 1.5 * size, (peak, size)  # seen: 6.1 MB for 5.4 MB
     # spot-check one rank-epoch against torch
     s = DistributedSampler(LenDataset(1_281_167), num_replicas=1024, rank=5, seed=0)
     s.set_epoch(89)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.mount
@@ -21,3 +21,4 @@ def test_crash_test_quick_finds_every_fsynced_checkpoint_intact(tmp_path: Path) 
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert r.returncode == 0 and out["ok"], out
     assert out["trials"] >= 5 and out["durable_files_checked"] > 0
+    assert out["metadata_checked"] > out["trials"]  # mode, owner, mtime of files and ckpt/ after SIGKILL

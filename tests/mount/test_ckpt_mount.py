@@ -36,7 +36,7 @@ class Ckpt:
     def args(self, *extra: str, stripe: str = "1M", dirty: str = "64M") -> list[str]:
         return ["--checkpoints", str(self.back), "--at", str(self.mnt),
                 "--devices", ",".join(map(str, self.devices)), "--stripe-size", stripe,
-                "--dirty-limit", dirty, *extra]
+                "--dirty-limit", dirty, "--no-drain", *extra]  # devices only, unless a test adds --drain
 
 
 def _wait(pred: Any, timeout: float = 30.0, what: str = "condition") -> Any:

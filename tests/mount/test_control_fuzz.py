@@ -12,13 +12,12 @@ import json
 import os
 import random
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HangGuard, Mount, make_tree
+from conftest import HangGuard, Mount, make_tree, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -205,10 +204,8 @@ def test_multi_write_documents(live: Live) -> None:
             os.write(fd, b'{"epochs": 1, "sampler": "' + b"s" * 5000)
         finally:
             os.close(fd)
-        deadline = time.monotonic() + INCOMPLETE_TIMEOUT * 4 + 5
-        while live.status()["control"]["pending_bytes"]:
-            assert time.monotonic() < deadline, "incomplete document never expired"
-            time.sleep(0.2)
+        assert wait_for(lambda: not live.status()["control"]["pending_bytes"], INCOMPLETE_TIMEOUT * 4 + 5), \
+            "incomplete document never expired"
         assert "dropped" in live.error_file.read_text()
         # a write at a hole is refused
         fd = os.open(ctl, os.O_WRONLY | os.O_TRUNC)

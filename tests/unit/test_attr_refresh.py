@@ -6,6 +6,8 @@ import os
 import time
 from pathlib import Path
 
+from conftest import wait_for
+
 from fsd.data.attr_refresh import AttrRefresher
 
 
@@ -64,9 +66,7 @@ def test_worker_thread_refreshes_in_the_background(tmp_path: Path) -> None:
     try:
         for i in range(4):
             r.note_read(os.fsencode(f"d0/f{i}"), i + 1)
-        deadline = time.monotonic() + 5
-        while r.status()["refreshed"] < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: r.status()["refreshed"] >= 4)
         assert r.status()["refreshed"] == 4 and r.status()["pending"] == 0
     finally:
         r.stop()
@@ -80,9 +80,7 @@ def test_the_worker_stats_a_few_files_once_they_aged(tmp_path: Path, monkeypatch
     try:
         t0 = time.monotonic()
         r.note_read(b"d0/f3", 4)
-        deadline = t0 + 5
-        while r.status()["refreshed"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: r.status()["refreshed"] >= 1)
         assert r.status()["stats"] == 1 and time.monotonic() - t0 >= 0.2
     finally:
         r.stop()

@@ -176,3 +176,17 @@ def test_root_can_still_be_refused_by_mode(tmp_path: Path) -> None:
     p.write_text("x" * 32)
     os.chmod(p, 0o604)
     assert "everyone" in _err(read_secret, p)
+
+
+def test_fsd_up_passes_the_cluster_file_and_metrics_port(tmp_path: Path) -> None:
+    from fsd import config
+    from fsd.errors import FsdError
+
+    p = tmp_path / "up.toml"
+    p.write_text('[data]\nsource = "/d"\ncluster = "/etc/fsd/cluster.toml"\nmetrics_port = 9100\n')
+    argv = config.mount_argv("data", config.load(p)["data"])
+    assert argv[argv.index("--cluster") + 1] == "/etc/fsd/cluster.toml"
+    assert argv[argv.index("--metrics-port") + 1] == "9100"
+    p.write_text('[data]\nsource = "/d"\n[data.cluster]\nnode = 0\n')
+    with pytest.raises(FsdError, match="path of a cluster file"):
+        config.load(p)

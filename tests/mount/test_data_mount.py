@@ -9,11 +9,10 @@ import os
 import subprocess
 import termios
 import threading
-import time
 from pathlib import Path
 
 import pytest
-from conftest import FSD, make_tree
+from conftest import FSD, make_tree, wait_for
 
 from fsd.data.memory import cached_pages, drop_cached
 
@@ -213,9 +212,7 @@ def test_reads_do_not_cost_a_getattr_per_file_in_the_next_epoch(tmp_path: Path, 
     for p in few:
         with open(p, "rb") as f:  # READ replies: the kernel marks each file's atime stale
             f.read()
-    deadline = time.monotonic() + 10
-    while m.status()["attr_refresh"]["refreshed"] < len(few) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: m.status()["attr_refresh"]["refreshed"] >= len(few))
     assert m.status()["attr_refresh"]["stats"] == len(few) and m.status()["attr_refresh"]["listings"] == 0
     a = m.status()["ops"].get("getattr", 0)
     b = m.status()["ops"].get("getattr", 0)  # b - a: what reading the status costs
@@ -226,10 +223,8 @@ def test_reads_do_not_cost_a_getattr_per_file_in_the_next_epoch(tmp_path: Path, 
     for p in files:
         with open(p, "rb") as f:
             f.read()
-    deadline = time.monotonic() + 10
-    while (m.status()["attr_refresh"]["pending"] or m.status()["attr_refresh"]["refreshed"] < len(files)) \
-            and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: not m.status()["attr_refresh"]["pending"]
+             and m.status()["attr_refresh"]["refreshed"] >= len(files))
     assert m.status()["attr_refresh"]["refreshed"] >= len(files)
     a = m.status()["ops"].get("getattr", 0)
     for p in files:
@@ -313,8 +308,9 @@ def test_sigterm_under_a_stream_of_opens_unmounts_cleanly(tmp_path: Path, mounte
     stop = threading.Event()
     served: list[int] = []
     wrong: list[str] = []
+    running = [0] * 4  # each reader's reads so far
 
-    def reader() -> None:
+    def reader(k: int) -> None:
         n = 0
         while not stop.is_set():
             for rel in files:
@@ -323,14 +319,15 @@ def test_sigterm_under_a_stream_of_opens_unmounts_cleanly(tmp_path: Path, mounte
                         if f.read() != expect[rel]:
                             wrong.append(str(rel))
                     n += 1
+                    running[k] = n
                 except OSError:
                     pass  # the mount is going away: ENOTCONN, ENOENT, ...
         served.append(n)
 
-    threads = [threading.Thread(target=reader, daemon=True) for _ in range(4)]
+    threads = [threading.Thread(target=reader, args=(k,), daemon=True) for k in range(4)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    assert wait_for(lambda: sum(running) > 2 * len(files), 60)  # a stream of opens under way (a busy machine is slow)
     m.proc.terminate()
     assert m.proc.wait(30) == 0, m.log_text()
     stop.set()

@@ -18,7 +18,7 @@ from fsd.cluster.config import ClusterConfigError, resolve_node_ranks
 from fsd.cluster.ownership import ClusterPlan, compute_ownership, node_read_counts, plan_fingerprint
 from fsd.plan.sampler import distributed_epoch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -22,7 +22,7 @@ from fsd.cluster.compat import FsdError
 from fsd.cluster.config import parse_cluster
 from fsd.cluster.transport import AUTH_KEY, BREAKER_FAILS, ClusterNode, PeerClient, PeerServer, auth_token
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SECRET = b"s3cret-for-tests-only"
 FP = "f" * 64
 N = 50

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import HangGuard
+from conftest import HangGuard, ManualClock, wait_for
 
 from fsd.data.memory import drop_cached
 from fsd.data.revalidate import Revalidator, dir_fd_stat
@@ -155,36 +155,46 @@ def test_dir_fd_stat_lstat_and_missing(tree) -> None:
     assert stat("a/f00.bin/below-a-file") is None  # ENOTDIR counts as gone
 
 
+class _Sleeps:
+    """A manual clock and the revalidator's wait on it: a sleep advances the clock (stats take no time)."""
+
+    def __init__(self) -> None:
+        self.clock = ManualClock()
+        self.sleeps: list[float] = []
+
+    def wait(self, timeout: float) -> bool:
+        self.sleeps.append(timeout)
+        self.clock.advance(timeout)
+        return False
+
+
 def test_rate_is_bounded(tree) -> None:
     fd, files = tree
-    rec = _Recorder()
-    r = _reval(fd, files, rec, rate=100.0)
-    t0 = time.monotonic()
+    t = _Sleeps()
+    r = _reval(fd, files, _Recorder(), rate=100.0, clock=t.clock, wait=t.wait)
+    t0 = t.clock()
     r.sweep()
     r.sweep()
-    took = time.monotonic() - t0
-    # 40 stats at 100/s: at least ~0.35 s (the first few may run unpaced)
-    assert took >= 0.3, took
-    assert r.status()["last_sweep_s"] >= 0.15
+    took = t.clock() - t0
+    # 40 stats at 100/s: 0.39 s from the first to the last, less the up to 50 ms the first runs
+    # unpaced, less what the last burst is still ahead (up to PACE_S)
+    assert 0.39 - 0.05 - Revalidator.PACE_S <= took <= 0.39, took
+    assert r.stats_done == 40
+    assert 0.15 <= r.status()["last_sweep_s"] <= 0.2 + Revalidator.PACE_S
 
 
 def test_rate_is_held_in_bursts_not_a_sleep_per_stat(tree) -> None:
-    """Each sleep costs a wake-up: the rate is held over ``PACE_S`` bursts (was one sleep every 5 ms,
-    4x the CPU of the stats themselves)."""
+    """Each sleep costs a wake-up: the rate is held over ``PACE_S`` bursts rather than a sleep per
+    stat (one sleep every 5 ms cost 4x the CPU of the stats themselves)."""
     fd, files = tree
-    r = _reval(fd, files, _Recorder(), rate=200.0)
-    sleeps: list[float] = []
-    wait = r._stop.wait
-
-    def counting_wait(timeout: float | None = None) -> bool:
-        sleeps.append(timeout or 0.0)
-        return wait(timeout)
-
-    r._stop.wait = counting_wait  # type: ignore[method-assign]
+    t = _Sleeps()
+    r = _reval(fd, files, _Recorder(), rate=200.0, clock=t.clock, wait=t.wait)
     for _ in range(3):
         r.sweep()  # 60 stats at 200/s: 0.3 s
-    assert 1 <= len(sleeps) <= 8, sleeps  # 0.3 s in bursts of 50 ms or more
-    assert all(s > 0.045 for s in sleeps[1:]), sleeps
+    assert r.stats_done == 60
+    assert 4 <= len(t.sleeps) <= 6, t.sleeps  # 0.3 s in bursts of just over 50 ms
+    assert all(Revalidator.PACE_S < s <= Revalidator.PACE_S + 0.005 + 1e-9 for s in t.sleeps), t.sleeps
+    assert 0.3 - 0.05 - Revalidator.PACE_S <= sum(t.sleeps) <= 0.3
 
 
 def test_background_thread_reports_and_stops(tree) -> None:
@@ -193,10 +203,7 @@ def test_background_thread_reports_and_stops(tree) -> None:
     r = _reval(fd, files, rec, rate=5000.0, interval=0.05)
     r.start()
     try:
-        deadline = time.monotonic() + 10
-        while r.sweeps < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        assert wait_for(lambda: r.sweeps >= 1)
         (_root(fd) / files[110]).unlink()
         calls = rec.wait_for(1)
         assert calls == [(110, files[110], "vanished")]
@@ -223,14 +230,9 @@ def test_failing_callback_is_counted_not_fatal(tree) -> None:
     (_root(fd) / files[106]).unlink()
     r.start()
     try:
-        deadline = time.monotonic() + 10
-        while r.callback_errors < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        assert wait_for(lambda: r.callback_errors >= 2)
         sweeps = r.sweeps
-        while r.sweeps < sweeps + 2:  # still sweeping after the failures
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        assert wait_for(lambda: r.sweeps >= sweeps + 2)  # still sweeping after the failures
     finally:
         r.stop()
     assert sorted(seen) == [105, 106]
@@ -407,14 +409,15 @@ def _revalidate_wired(m) -> bool:
 
 
 def _wait_status(m, pred, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = m.status()
-        if pred(st):
-            return st
-        if time.monotonic() > deadline:
-            return st
-        time.sleep(0.1)
+    """The status once *pred* holds for it (or the last one after *timeout* seconds)."""
+    seen: list[dict] = []
+
+    def check() -> bool:
+        seen[:] = [m.status()]
+        return bool(pred(seen[0]))
+
+    wait_for(check, timeout)
+    return seen[0]
 
 
 @pytest.mark.mount

@@ -13,12 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import wait_for
+from conftest import Kernel, ManualClock, wait_for
 
 from fsd.data.backend import Backend
 from fsd.data.cache import DatasetCache
+from fsd.data.kernel_tier import KernelTier
 from fsd.data.memory import DropWatch
-from fsd.data.prefetch import Task
+from fsd.data.prefetcher import Task
+from fsd.data.push_window import PushWindow
 from fsd.data.tiers import SsdEntry, SsdTier
 from fsd.plan.access_stream import NodeStream
 from fsd.plan.belady import NEVER, optimal_hit_rate
@@ -62,7 +64,8 @@ def epochs_stream(n: int, epochs: int, seed: int, window: int = 8, ranks: int = 
 
 
 class BoundsMonitor:
-    """Samples the tier bounds on a thread for the duration of a test."""
+    """Samples the tier bounds on a thread for the duration of a test (or, for a cache driven step
+    by step, wherever the test calls :meth:`check`)."""
 
     def __init__(self, cache: DatasetCache) -> None:
         self.cache = cache
@@ -72,25 +75,29 @@ class BoundsMonitor:
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        c = self.cache
         while not self._stop.is_set():
-            with c._lock:
-                ram, staging = c.ram.used, c._staging_used
-                stored = sum(len(b) for b in c.ram.data.values()) + sum(len(s.data) for s in c._staged.values())
-            if ram > c.ram.capacity or staging > c.staging_cap or ram + staging > c.ram_bytes or stored > c.ram_bytes:
-                self.violations.append(f"ram {ram} staging {staging} stored {stored}")
-            if c.ssd.dir is not None:
-                on_disk = 0
-                with os.scandir(c.ssd.dir) as it:
-                    for e in it:
-                        try:
-                            on_disk += e.stat().st_size
-                        except FileNotFoundError:
-                            pass  # raced an unlink
-                if on_disk > c.ssd.capacity:
-                    self.violations.append(f"ssd {on_disk} > {c.ssd.capacity}")
-            self.samples += 1
+            self.check()
             time.sleep(0.002)
+
+    def check(self) -> None:
+        """One sample of the bounds."""
+        c = self.cache
+        with c.guard:
+            ram, staging = c.ram.used, c.staging.used
+            stored = sum(len(b) for b in c.ram.data.values()) + sum(len(s) for s in c.staging.files.values())
+        if ram > c.ram.capacity or staging > c.staging.capacity or ram + staging > c.ram_bytes or stored > c.ram_bytes:
+            self.violations.append(f"ram {ram} staging {staging} stored {stored}")
+        if c.ssd.dir is not None:
+            on_disk = 0
+            with os.scandir(c.ssd.dir) as it:
+                for e in it:
+                    try:
+                        on_disk += e.stat().st_size
+                    except FileNotFoundError:
+                        pass  # raced an unlink
+            if on_disk > c.ssd.capacity:
+                self.violations.append(f"ssd {on_disk} > {c.ssd.capacity}")
+        self.samples += 1
 
     def __enter__(self) -> BoundsMonitor:
         self._t.start()
@@ -103,7 +110,19 @@ class BoundsMonitor:
 
 def files_held(cache: DatasetCache) -> int:
     """Distinct files the RAM tier, the SSD tier or staging hold."""
-    return len(set(cache.ram.data) | set(cache.ssd.entries) | set(cache._staged))
+    return len(set(cache.ram.data) | set(cache.ssd.entries) | set(cache.staging.files))
+
+
+def settle(cache: DatasetCache, rounds: int = 10_000) -> int:
+    """Drive a cache whose threads are not started: coordinator rounds and their tasks until a round
+    finds nothing to do; the tasks run."""
+    done = 0
+    for _ in range(rounds):
+        n = cache.step()
+        if n == 0:
+            return done
+        done += n
+    raise AssertionError(f"the prefetcher still had work after {rounds} rounds")
 
 
 def read_whole(cache: DatasetCache, fid: int, size: int, chunk: int = 4096) -> bytes:
@@ -129,19 +148,24 @@ def test_unplanned_reads_are_exact(ds: Dataset) -> None:
 
 @pytest.mark.parametrize("ssd", [False, True])
 def test_reader_following_the_plan_hits_near_optimal(ds: Dataset, tmp_path: Path, ssd: bool) -> None:
+    """Driven step by step (a manual clock, the prefetcher's rounds run before each read), so the
+    hit rate is the plan's, not how far the prefetch threads got on a busy machine."""
     ram = int(ds.sizes.sum() * 0.4)
     ssd_bytes = int(ds.sizes.sum() * 0.25) if ssd else 0
+    clock = ManualClock()
     cache = DatasetCache(ds.backend, ram_bytes=ram, ssd_dir=tmp_path / "ssd" if ssd else None, ssd_bytes=ssd_bytes,
-                         fetch_threads=4)
+                         fetch_threads=4, clock=clock)
     stream = epochs_stream(len(ds.paths), 3, seed=5)
     cache.set_plan(stream)
-    cache.start()
+    mon = BoundsMonitor(cache)
     try:
-        with BoundsMonitor(cache) as mon:
-            for f in stream.file_ids.tolist():
-                assert read_whole(cache, f, len(ds.data[f])) == ds.data[f]
-                time.sleep(0.0003)  # the compute step
-        assert mon.violations == [] and mon.samples > 10
+        for f in stream.file_ids.tolist():
+            clock.advance(0.0003)  # the compute step
+            settle(cache)
+            mon.check()
+            assert read_whole(cache, f, len(ds.data[f])) == ds.data[f]
+            mon.check()
+        assert mon.violations == [] and mon.samples == 2 * len(stream.file_ids)
         st = cache.stats()
         cap = st["tiers"]["ram"]["capacity"] + st["tiers"]["ssd"]["capacity"]
         opt = optimal_hit_rate(stream.file_ids, ds.sizes, cap)
@@ -158,13 +182,6 @@ def test_reader_following_the_plan_hits_near_optimal(ds: Dataset, tmp_path: Path
         cache.close()
 
 
-class ShortLead(DatasetCache):
-    """Reuse distances much longer than the lead, so every decision is Belady's, not the lead's."""
-
-    STAGING_FRACTION = 0.95
-    MAX_LEAD = 40
-
-
 def test_belady_evicts_the_furthest_used_not_lru(tmp_path: Path) -> None:
     d = Dataset(tmp_path / "eq", 303, 1000, 1000)
     try:
@@ -177,16 +194,18 @@ def test_belady_evicts_the_furthest_used_not_lru(tmp_path: Path) -> None:
         # RAM tier holds two files. When C is consumed the residents are B (next used at ~203) and
         # A (~305); C is next used at ~254: Belady evicts A, LRU would evict B (least recent).
         ids = np.array([b, a] + f(100) + [c] + f(100) + [b] + f(50) + [c] + f(50) + [a])
-        cache = ShortLead(d.backend, ram_bytes=40000, fetch_threads=2)
+        # reuse distances much longer than the lead, so every decision is Belady's, not the lead's
+        clock = ManualClock()
+        cache = DatasetCache(d.backend, ram_bytes=40000, fetch_threads=2, staging_fraction=0.95, max_lead=40,
+                             clock=clock)
         assert cache.ram.capacity == 2000
         cache.set_plan(NodeStream(ids, np.array([0, len(ids)]), np.zeros(len(ids), int), 0, 1))
-        cache.start()
         try:
             for i, x in enumerate(ids.tolist()):
                 assert cache.read(x, 0, 5000) == d.data[x]
-                time.sleep(0.0005)
+                clock.advance(0.0005)  # the compute step, while the prefetcher works
+                settle(cache)
                 if i == 150:
-                    time.sleep(0.1)
                     assert sorted(cache.ram.data) == [b, c]
             st = cache.stats()
             assert st["plan"]["hits"] == 2 == round(optimal_hit_rate(ids, d.sizes, 2000) * len(ids))
@@ -198,32 +217,38 @@ def test_belady_evicts_the_furthest_used_not_lru(tmp_path: Path) -> None:
 
 
 def test_divergence_backs_off_and_resumes(ds: Dataset) -> None:
-    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 0.3), fetch_threads=2)
+    clock = ManualClock()
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 0.3), fetch_threads=2, clock=clock)
     stream = epochs_stream(len(ds.paths), 2, seed=7, window=4)
     cache.set_plan(stream)
-    cache.start()
+
+    def read(f: int) -> bytes:  # a reader faster than the prefetcher: it fetches what it reads itself
+        out = cache.read(f, 0, 10000)
+        clock.advance(0.0001)
+        return out
+
     try:
         ids = stream.file_ids.tolist()
         for f in ids[:60]:
-            assert cache.read(f, 0, 10000) == ds.data[f]
+            assert read(f) == ds.data[f]
         assert cache.stats()["divergence"]["state"] == "synced"
         other = np.random.default_rng(99).permutation(len(ds.paths)).tolist()  # a different seed
         for f in other[:40]:
-            assert cache.read(f, 0, 10000) == ds.data[f]
+            assert read(f) == ds.data[f]
         st = cache.stats()
         assert st["divergence"]["state"] == "diverged" and st["divergence"]["divergences"] == 1
         # backed off: the prefetcher stops fetching while the reads do not match
-        time.sleep(0.2)
+        settle(cache)
         reads0 = cache.stats()["backend"]["reads"]
         for f in other[40:80]:
-            assert cache.read(f, 0, 10000) == ds.data[f]
-        time.sleep(0.2)
+            assert read(f) == ds.data[f]
+        settle(cache)
         st = cache.stats()
         assert st["backend"]["reads"] - reads0 <= 40  # only the reads themselves
         assert st["tiers"]["staging"]["inflight"] == 0
         # the reader comes back to the plan further on: picked up again
         for f in ids[200:300]:
-            assert cache.read(f, 0, 10000) == ds.data[f]
+            assert read(f) == ds.data[f]
         st = cache.stats()
         assert st["divergence"]["state"] == "synced" and st["divergence"]["resyncs"] == 1
         assert st["plan"]["head"] > 300 - 8
@@ -236,17 +261,24 @@ def test_a_job_restarted_on_a_mount_that_stayed_up_is_picked_up_again(ds: Datase
     the same plan (kept, with its position): its reads go back to earlier accesses. fsd diverges,
     then resyncs there and prefetches from there again."""
     n = len(ds.paths)
-    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 0.3), fetch_threads=2)
+    clock = ManualClock()
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 0.3), fetch_threads=2, clock=clock)
     stream = epochs_stream(n, 3, seed=11, window=4, ranks=1)
     cache.set_plan(stream)
-    cache.start()
+
+    def read(f: int) -> bytes:
+        out = cache.read(f, 0, 10000)
+        clock.advance(0.001)
+        settle(cache)
+        return out
+
     try:
         ids = stream.file_ids.tolist()
         for f in ids[: n + 150]:
-            assert cache.read(f, 0, 10000) == ds.data[f]
+            assert read(f) == ds.data[f]
         assert cache.stats()["plan"]["head"] >= n + 140
         for f in ids[n : n + 120]:  # the restarted job: epoch 1 from its start
-            assert cache.read(f, 0, 10000) == ds.data[f]
+            assert read(f) == ds.data[f]
         div = cache.stats()["divergence"]
         assert div["state"] == "synced" and div["divergences"] == 1 and div["resyncs"] == 1, div
         assert n + 60 < div["front"] < n + 150
@@ -255,10 +287,10 @@ def test_a_job_restarted_on_a_mount_that_stayed_up_is_picked_up_again(ds: Datase
             t = cache.stats()["tiers"]
             return t["ram"]["hits"] + t["staging"]["hits"]
 
-        time.sleep(0.3)
+        settle(cache)
         served0 = served()
         for f in ids[n + 120 : n + 200]:
-            assert cache.read(f, 0, 10000) == ds.data[f]
+            assert read(f) == ds.data[f]
         assert served() - served0 > 60  # prefetched again, not read on demand
     finally:
         cache.close()
@@ -273,23 +305,23 @@ def test_the_head_passes_accesses_their_rank_has_read_past(ds: Dataset) -> None:
     stream = epochs_stream(n, 3, seed=12, window=4, ranks=2)
     cache.set_plan(stream)
     try:
-        tr = cache._tracker
+        tr = cache.cursor.tracker
         assert tr is not None and tr.rank_of is not None
-        with cache._lock:
+        with cache.guard:
             # what a resync leaves (_observe): rank 0 back at the start of epoch 1, rank 1 200 entries on
             tr.fronts = [n, n + 200]
             tr.front, tr.trail = n + 200, n
-            cache._reset_position(n - 4)
-            cache._resync_fronts = list(tr.fronts)
+            cache.scheduler.reset(n - 4)
+            cache.cursor.resync_fronts = list(tr.fronts)
         fetched: list[int] = []
         for _ in range(100):  # the coordinator's loop, its tasks run in line
-            for t in cache._schedule():
+            for t in cache.scheduler.schedule():
                 fetched += [t.pos] if t.kind == "fetch" else []
-                cache._execute(t)
+                cache.fetcher.execute(t)
         fetched.sort()
         assert fetched, "nothing fetched"
         assert all(tr.rank_of[q] == 0 or q >= n + 200 - 4 for q in fetched), fetched
-        assert cache.stats()["plan"]["head"] > n + 200 and cache._resync_fronts == []
+        assert cache.stats()["plan"]["head"] > n + 200 and cache.cursor.resync_fronts == []
         assert any(tr.rank_of[q] == 1 for q in fetched)  # past rank 1's front, its accesses are fetched
     finally:
         cache.close()
@@ -301,15 +333,15 @@ def test_accesses_processed_again_after_a_resync_count_once(ds: Dataset) -> None
     stream = epochs_stream(len(ds.paths), 2, seed=8)
     cache.set_plan(stream)
     try:
-        with cache._lock:
+        with cache.guard:
             for f in stream.file_ids[:100].tolist():
                 cache.ram.put(f, ds.data[f])
             for i in range(60):
-                assert cache._process(i) is None and cache.plan_hits == i + 1
-            cache._reset_position(20)
+                assert cache.scheduler.process(i) is None and cache.cursor.hits == i + 1
+            cache.scheduler.reset(20)
             for i in range(20, 100):
-                cache._process(i)
-            assert cache.plan_accesses == cache.plan_hits == 100
+                cache.scheduler.process(i)
+            assert cache.cursor.accesses == cache.cursor.hits == 100
     finally:
         cache.close()
 
@@ -323,8 +355,8 @@ def test_a_read_far_past_a_front_not_moved_for_a_while_still_matches(ds: Dataset
     ids = stream.file_ids.tolist()
     cache.set_plan(stream)
     try:
-        with cache._lock:
-            tr = cache._tracker
+        with cache.guard:
+            tr = cache.cursor.tracker
             assert tr is not None
             q = next(i for i in range(n + 60, 2 * n) if ids.index(ids[i]) < 40)  # its epoch-0 access is far behind
             t0 = time.monotonic()
@@ -332,12 +364,12 @@ def test_a_read_far_past_a_front_not_moved_for_a_while_still_matches(ds: Dataset
             def at(now: float) -> int | None:
                 tr.fronts, tr.front, tr.trail, tr.t_front, tr.rate = [100], 100, 100, t0, (q - 100) / 1.5
                 tr._hist = [deque([100], maxlen=5)]
-                cache._head = 110
-                return cache._observe(ids[q], now)
+                cache.cursor.head = 110
+                return cache.scheduler.observe(ids[q], now)
 
             assert at(t0 + 0.01) is None  # just after the front moved: too far
             assert at(t0 + 1.6) == q  # the reader's rate carries it there in 1.5 s
-            cache.BLIND_MAX_S = 0.2  # not for longer than this
+            cache.cursor.BLIND_MAX_S = 0.2  # not for longer than this
             assert at(t0 + 1.6) is None
     finally:
         cache.close()
@@ -412,7 +444,7 @@ def test_concurrent_readers_stress(ds: Dataset, tmp_path: Path, via_file: bool) 
 
     ram = int(ds.sizes.sum() * 0.3)
     cache = DatasetCache(ds.backend, ram_bytes=ram, ssd_dir=tmp_path / "ssd", ssd_bytes=int(ds.sizes.sum() * 0.3),
-                         fetch_threads=8, push=push, push_file=push_file if via_file else None)
+                         fetch_threads=8, kernel=Kernel(push=push, push_file=push_file if via_file else None))
     ranks = 8
     n = len(ds.paths)
     stream = epochs_stream(n, 3, seed=11, window=ranks * 4, ranks=ranks)
@@ -524,18 +556,20 @@ def test_files_the_plan_uses_no_more_stay_on_the_ssd_tier_until_their_room_is_ne
         for f in ids:
             assert read_whole(cache, f, len(ds.data[f])) == ds.data[f]
         # the tracker's front trails the last read by a few matches; the release point by 2 windows more
-        assert wait_for(lambda: cache._released >= len(ids) - 8 * stream.window), cache._released
-        with cache._lock:
-            released = {f for f in ids[: cache._released]}
+        assert wait_for(lambda: cache.cursor.released >= len(ids) - 8 * stream.window), cache.cursor.released
+        with cache.guard:
+            released = {f for f in ids[: cache.cursor.released]}
             assert not released & set(cache.ram.data)
             kept = released & set(cache.ssd.entries)
             assert len(kept) > 0.4 * len(ids)
-            assert all(cache._belady.key(f) == NEVER for f in kept)
+            assert all(cache.residency.belady.key(f) == NEVER for f in kept)
             assert all(os.path.exists(cache.ssd.entries[f].path) for f in kept)
-            reads = cache.backend_reads
+            reads = cache.fetcher.backend_reads
             # a fill that needs room: the files used no more make way, the furthest first
+            # (more than either tier has free: the RAM tier's room, freed as files leave it, could take it)
             free = cache.ssd.free()
-            assert cache._fill_room(-1, free + 1) and cache.ssd.free() > free
+            need = max(free, cache.ram.free()) + 1
+            assert cache.scheduler.fill_room(-1, need) and cache.ssd.free() > free
             kept &= set(cache.ssd.entries)
             assert len(kept) > 0.4 * len(ids)
         cache.set_plan(dataclasses.replace(stream, start_epoch=1))  # the same order again, as a resumed run
@@ -554,29 +588,29 @@ def test_fill_stops_at_the_first_repeat_and_at_the_room(ds: Dataset, tmp_path: P
     stream = epochs_stream(len(ds.paths), 2, seed=6)
     ids = stream.file_ids.tolist()
     first_repeat = next(i for i, f in enumerate(ids) if f in ids[:i])
-    big = DatasetCache(ds.backend, ram_bytes=total * 2, fetch_threads=4)
+    clock = ManualClock()
+    big = DatasetCache(ds.backend, ram_bytes=total * 2, fetch_threads=4, clock=clock)
     big.set_plan(stream)
-    big.start()
     try:
-        assert wait_for(lambda: big.stats()["plan"]["head"] >= first_repeat and
-                        big.stats()["tiers"]["staging"]["inflight"] == 0)
-        time.sleep(0.1)
+        settle(big)  # until the prefetcher has nothing left to do
+        assert big.stats()["tiers"]["staging"]["inflight"] == 0
         assert big.stats()["plan"]["head"] == first_repeat
     finally:
         big.close()
     small = DatasetCache(ds.backend, ram_bytes=total // 5, ssd_dir=tmp_path / "ssd", ssd_bytes=total // 5,
-                         fetch_threads=4)
+                         fetch_threads=4, clock=clock)
     small.set_plan(stream)
-    small.start()
     try:
-        assert wait_for(lambda: small.stats()["prefetch"]["fills"] > 0 and small.stats()["prefetch"]["fill_inflight"] == 0)
-        time.sleep(0.3)
+        settle(small)
+        assert small.stats()["prefetch"]["fills"] > 0 and small.stats()["prefetch"]["fill_inflight"] == 0
         st = small.stats()
         assert st["backend"]["reads"] < 0.6 * len(ds.paths)  # stopped: no room left, nobody read
         assert st["tiers"]["ram"]["bytes"] <= st["tiers"]["ram"]["capacity"]
         assert st["tiers"]["ssd"]["bytes"] <= st["tiers"]["ssd"]["capacity"]
         for f in ids:  # and the reader is still served exactly, near the Belady optimum
             assert read_whole(small, f, len(ds.data[f])) == ds.data[f]
+            clock.advance(0.001)
+            settle(small)
         st = small.stats()
         cap = st["tiers"]["ram"]["capacity"] + st["tiers"]["ssd"]["capacity"]
         assert st["plan"]["hit_rate"] >= 0.95 * optimal_hit_rate(stream.file_ids, ds.sizes, cap)
@@ -619,13 +653,14 @@ class InodeAwareKernel:
 def test_a_failed_push_goes_when_the_kernel_learns_the_inode(ds: Dataset) -> None:
     """Fetched before the job listed the dataset, a push fails; the listing (note_known) retries it."""
     kernel = InodeAwareKernel()
-    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2, push=kernel.push)
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2,
+                         kernel=Kernel(push=kernel.push))
     stream = epochs_stream(len(ds.paths), 1, seed=8)
     cache.set_plan(stream)
     cache.start()
     try:
         first = int(stream.file_ids[0])
-        assert wait_for(lambda: cache.stats()["prefetch"]["push_failures"] > 0 and first in cache._push_pending)
+        assert wait_for(lambda: cache.stats()["prefetch"]["push_failures"] > 0 and first in cache.kernel.pending)
         assert first not in kernel.pushed
         kernel.known.add(first)
         cache.note_known(first)
@@ -651,16 +686,16 @@ def test_a_push_the_kernel_cannot_take_reads_nothing_and_goes_when_it_can(ds: Da
     monkeypatch.setattr(SsdTier, "pread", staticmethod(counting_pread))
 
     cache = DatasetCache(ds.backend, ram_bytes=1 << 20, ssd_dir=tmp_path / "ssd", ssd_bytes=int(ds.sizes.sum() * 2),
-                         fetch_threads=2, push=kernel.push, known=kernel.knows)
+                         fetch_threads=2, kernel=Kernel(push=kernel.push, known=kernel.knows))
     stream = epochs_stream(len(ds.paths), 1, seed=8)
     cache.set_plan(stream)
     cache.start()
     try:
         def on_ssd_and_waiting() -> list[int]:
             """Pending pushes whose only copy is the SSD tier (a staged copy would serve the push from RAM)."""
-            with cache._lock:
-                return [f for f in cache._push_pending
-                        if f in cache.ssd and f not in cache.ram and f not in cache._staged]
+            with cache.guard:
+                return [f for f in cache.kernel.pending
+                        if f in cache.ssd and f not in cache.ram and f not in cache.staging.files]
 
         assert wait_for(lambda: len(on_ssd_and_waiting()) > 0)
         assert cache.stats()["prefetch"]["push_failures"] > 0
@@ -687,29 +722,30 @@ def test_suspect_pushes_are_verified_not_redone(ds: Dataset) -> None:
     def cached(fid: int, n: int) -> bool:
         return fid in held
 
-    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2, push=push, cached=cached)
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2,
+                         kernel=Kernel(push=push, cached=cached))
     stream = epochs_stream(len(ds.paths), 1, seed=9)
     cache.set_plan(stream)
     cache.start()
     try:
         ids = stream.file_ids.tolist()
         assert wait_for(lambda: cache.stats()["prefetch"]["pushes"] >= 40)
-        with cache._lock:
-            pushed = [f for f in ids[:60] if f in cache._pushed]
-            cache._kernel.lost_all()  # a loss: everything pushed so far is suspect
-            assert all(cache._kernel.suspect(f) for f in pushed)
+        with cache.guard:
+            pushed = [f for f in ids[:60] if f in cache.kernel.pushed]
+            cache.kernel.belief.lost_all()  # a loss: everything pushed so far is suspect
+            assert all(cache.kernel.belief.suspect(f) for f in pushed)
         lost, kept = pushed[0], pushed[1:6]
         held.discard(lost)  # the kernel dropped one of them
         n0 = len(pushes)
         for f in [lost, *kept]:
-            cache._run_push(Task("push", f, ids.index(f), cache._plan_gen, verify=True))
+            cache.kernel.run(Task("push", f, ids.index(f), cache.cursor.gen, verify=True))
         # only the one it lacks is pushed again (stored twice: activated); the prefetcher goes on
         # pushing files further ahead meanwhile
         assert [f for f in pushes[n0:] if f in (lost, *kept)] == [lost, lost]
         st = cache.stats()["prefetch"]
         assert st["push_verified"] == len(kept)
-        with cache._lock:
-            assert not any(cache._kernel.suspect(f) for f in [lost, *kept])  # believed held again
+        with cache.guard:
+            assert not any(cache.kernel.belief.suspect(f) for f in [lost, *kept])  # believed held again
     finally:
         cache.close()
 
@@ -722,8 +758,8 @@ def test_a_retried_push_is_for_the_next_access_not_the_last_one_scheduled(ds: Da
     job listed the dataset late)."""
     n = len(ds.paths)
     kernel = InodeAwareKernel()
-    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2, push=kernel.push,
-                         room=lambda: 1 << 40)
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2,
+                         room=lambda: 1 << 40, kernel=Kernel(push=kernel.push))
     stream = epochs_stream(n, 3, seed=10)
     ids = stream.file_ids.tolist()
     pos = 2  # not a beacon (rank 0's second access; each rank's first is one): a whole-file push
@@ -732,14 +768,14 @@ def test_a_retried_push_is_for_the_next_access_not_the_last_one_scheduled(ds: Da
     cache.set_plan(stream)
     cache.start()
     try:
-        assert wait_for(lambda: cache._head > later and f in cache._push_pending)
-        with cache._lock:
-            assert cache._last_proc[f] >= later  # the head scheduled the later access too
+        assert wait_for(lambda: cache.cursor.head > later and f in cache.kernel.pending)
+        with cache.guard:
+            assert cache.cursor.last[f] >= later  # the head scheduled the later access too
         kernel.known.add(f)
         cache.note_known(f)
         assert wait_for(lambda: f in kernel.pushed)
-        with cache._lock:
-            assert cache._pushed.get(f) == pos
+        with cache.guard:
+            assert cache.kernel.pushed.get(f) == pos
     finally:
         cache.close()
 
@@ -762,29 +798,31 @@ def test_a_drop_caches_re_pushes_everything_pushed_ahead_not_a_lead_cap(tmp_path
 
     vmstat = tmp_path / "vmstat"
     vmstat.write_text("nr_free_pages 1\ndrop_pagecache 0\n")
-    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2, push=push,
-                         cached=lambda fid, n: fid in held, room=lambda: 1 << 40)
-    cache._drop_watch = DropWatch(0.0, vmstat)
+    clock = ManualClock()
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2, room=lambda: 1 << 40,
+                         kernel=Kernel(push=push, cached=lambda fid, n: fid in held), clock=clock)
+    cache.kernel.drop_watch = DropWatch(0.0, vmstat)
     n = len(ds.paths)
     # two epochs: every file has a next use, so each stays in a tier or staging (one used once may be held by
     # its push alone, staging being full: after a drop its read is a miss, served from the backend)
     stream = epochs_stream(n, 2, seed=13)
     cache.set_plan(stream)
-    cache.start()
     try:
         # the whole plan is scheduled and epoch 0 pushed ahead of a reader yet to start
-        assert wait_for(lambda: cache.stats()["plan"]["head"] == 2 * n and len(set(pushes)) == n)
-        time.sleep(0.2)
-        with cache._lock:
-            cache._lead.cap = cache._lead.min_lead  # lowered by earlier losses
-            assert cache._lead.cap < n // 2
-            assert all(cache._resident(f) or f in cache._staged for f in pushes)  # held by a tier or staging
+        settle(cache)
+        assert cache.stats()["plan"]["head"] == 2 * n and len(set(pushes)) == n
+        with cache.guard:
+            cache.cursor.lead.cap = cache.cursor.lead.min_lead  # lowered by earlier losses
+            assert cache.cursor.lead.cap < n // 2
+            assert all(f in cache.residency or f in cache.staging.files for f in pushes)  # held by a tier or staging
             with lock:
                 n0 = len(pushes)
                 before = set(pushes)
                 held.clear()
         vmstat.write_text("nr_free_pages 1\ndrop_pagecache 1\n")
-        assert wait_for(lambda: set(pushes[n0:]) == before), (len(before - set(pushes[n0:])), cache.stats()["prefetch"])
+        clock.advance(0.1)
+        settle(cache)
+        assert set(pushes[n0:]) == before, (len(before - set(pushes[n0:])), cache.stats()["prefetch"])
         assert cache.stats()["prefetch"]["page_cache_drops"] == 1
     finally:
         cache.close()
@@ -794,30 +832,30 @@ def test_a_drop_caches_re_pushes_everything_pushed_ahead_not_a_lead_cap(tmp_path
 def test_the_kernel_tier_drops_pending_files_beyond_the_push_window_and_pushes_them_again(ds: Dataset) -> None:
     """A push that needs room drops the held files used furthest, also those with an access the head
     has scheduled beyond the push window (pushed again when the reader nears it), but not one whose
-    pages are its only copy (no tier or staging holds it), nor one needed within the window. Was:
-    nothing pending was a victim; with the head a whole epoch ahead in later epochs most pushes
-    found none and overfilled the tier."""
-    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), push=lambda fid, data: True,
-                         drop=lambda fid: None, room=lambda: 1 << 40)
+    pages are its only copy (no tier or staging holds it), nor one needed within the window. With
+    no pending file a victim, the head a whole epoch ahead in later epochs would leave most pushes
+    none to drop, and they would overfill the tier."""
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), room=lambda: 1 << 40,
+                         kernel=Kernel(push=lambda fid, data: True, drop=lambda fid: None))
     stream = epochs_stream(len(ds.paths), 2, seed=21)
     ids = [int(f) for f in stream.file_ids]
     cache.set_plan(stream)
     far, kept, resident, near, pushed = ids[230], ids[160], ids[150], ids[50], ids[10]
     size = {f: int(ds.sizes[f]) for f in (far, kept, resident, near, pushed)}
     try:
-        with cache._lock:
-            cache._head, cache._push_limit = 200, 100  # scheduled up to 200, pushed up to 100
+        with cache.guard:
+            cache.cursor.head, cache.kernel.window.limit = 200, 100  # scheduled up to 200, pushed up to 100
             cache.ram.put(resident, ds.data[resident])
             for f, q in ((far, 230), (kept, 160), (resident, 150), (near, 50)):
-                cache._kernel.set(f, size[f], cache._kernel.event(), cache._next_use(f))
-                assert cache._kernel.tier._index.key(f) == q
-            cache._pushed[resident] = 150
-            cache._kernel.tier.capacity = cache._kernel.tier.used
-            victims = cache._make_kernel_room(pushed, size[far] + 1, 10)
+                cache.kernel.belief.set(f, size[f], cache.kernel.belief.event(), cache.kernel.next_use(f))
+                assert cache.kernel.belief.tier._index.key(f) == q
+            cache.kernel.pushed[resident] = 150
+            cache.kernel.belief.tier.capacity = cache.kernel.belief.tier.used
+            victims = cache.kernel.make_room(pushed, size[far] + 1, 10)
             assert victims == [far, resident]
-            assert (150, resident) in cache._deferred and resident not in cache._pushed
-            assert kept in cache._kernel.tier and near in cache._kernel.tier
-            assert cache._kernel.tier.stats()["short"] == 0
+            assert (150, resident) in cache.kernel.window.deferred and resident not in cache.kernel.pushed
+            assert kept in cache.kernel.belief.tier and near in cache.kernel.belief.tier
+            assert cache.kernel.belief.tier.stats()["short"] == 0
     finally:
         cache.close()
 
@@ -825,37 +863,37 @@ def test_the_kernel_tier_drops_pending_files_beyond_the_push_window_and_pushes_t
 def test_a_reader_past_the_head_leaves_a_slower_ranks_accesses_to_the_prefetcher(ds: Dataset) -> None:
     """A rank that reads past the head skips nothing another rank has still to read. Staging full,
     the head stays and the reader reads its file itself, which the head then passes without a fetch;
-    with room, everything from the head on is queued. Was: the head jumped to the read (or to a window
-    before it), and the slower rank read each skipped file from the backend, one at a time."""
+    with room, everything from the head on is queued. A head that jumped to the read (or to a window
+    before it) would leave the slower rank to read each skipped file from the backend, one at a time."""
     cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 8))  # staging holds the dataset
     stream = epochs_stream(len(ds.paths), 2, seed=3)  # ranks alternate: even positions rank 0, odd rank 1
     ids = [int(f) for f in stream.file_ids]
     cache.set_plan(stream)
     try:
-        with cache._lock:
-            tr = cache._tracker
-            assert tr is not None and cache._plan is not None and cache._plan.window == 8
+        with cache.guard:
+            tr = cache.cursor.tracker
+            assert tr is not None and cache.cursor.plan is not None and cache.cursor.plan.window == 8
             tr.fronts, tr.trail, tr.front = [60, 21], 21, 60  # rank 1 far behind rank 0
-            cache._head = cache._counted = 40
-            cache._staging_used = cache.staging_cap  # no staging room, no fill fetch either
-            cache._fill_inflight = cache.FILL_INFLIGHT_PER_THREAD * cache.fetch_threads
+            cache.cursor.head = cache.cursor.counted = 40
+            cache.staging.used = cache.staging.capacity  # no staging room, no fill fetch either
+            cache.staging.fill_inflight = cache.scheduler.FILL_INFLIGHT_PER_THREAD * cache.fetch_threads
         assert cache.read(ids[62], 0, 1 << 20) == ds.data[ids[62]]  # rank 0, past the head
-        with cache._lock:
-            assert (cache._head, cache.plan_skipped, cache.demand_reads) == (40, 0, 1)
-            plan = cache._plan
-            assert ids[62] in cache.ram and cache._key(ids[62]) == int(plan.nu[62]) > 62  # 62 is consumed
-            cache._staging_used = cache._fill_inflight = 0
-            tasks = [cache._process(i) for i in range(40, 63)]
-            cache._head = 63
+        with cache.guard:
+            assert (cache.cursor.head, cache.cursor.skipped, cache.fetcher.demand_reads) == (40, 0, 1)
+            plan = cache.cursor.plan
+            assert ids[62] in cache.ram and cache.cursor.key(ids[62]) == int(plan.nu[62]) > 62  # 62 is consumed
+            cache.staging.used = cache.staging.fill_inflight = 0
+            tasks = [cache.scheduler.process(i) for i in range(40, 63)]
+            cache.cursor.head = 63
             fetched = {t.pos for t in tasks if isinstance(t, Task) and t.kind == "fetch"}
             assert fetched == set(range(40, 62))  # rank 1's as well as rank 0's, but not 62 again
-            assert cache.plan_skipped == 1 and cache.plan_accesses == 23 and cache.plan_hits == 0
+            assert cache.cursor.skipped == 1 and cache.cursor.accesses == 23 and cache.cursor.hits == 0
             tr.fronts, tr.trail, tr.front = [200, 21], 21, 200
-        before = cache.plan_skipped
+        before = cache.cursor.skipped
         assert cache.read(ids[202], 0, 1 << 20) == ds.data[ids[202]]  # far past the head, room to spare
-        with cache._lock:
+        with cache.guard:
             # nothing skipped: rank 1's accesses from 63 on are queued, and 202 was fetched inline
-            assert cache._head == 203 and cache.plan_skipped == before
+            assert cache.cursor.head == 203 and cache.cursor.skipped == before
     finally:
         cache.close()
 
@@ -863,8 +901,8 @@ def test_a_reader_past_the_head_leaves_a_slower_ranks_accesses_to_the_prefetcher
 def test_a_file_being_written_to_the_ssd_tier_is_served_from_memory(ds: Dataset, tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A fill fetch's file is in no tier and not staged while its SSD-tier write runs: a reader then
-    gets the writer's bytes, not a second backend read; after an invalidation, the new bytes. Was: a
-    second backend read (``bench-data``: ~230 of 8000 files in epoch 0)."""
+    gets the writer's bytes, not a second backend read (``bench-data`` would read ~230 of 8000 files
+    of epoch 0 twice); after an invalidation, the new bytes."""
     release = threading.Event()
     real_write = SsdTier.write
 
@@ -879,19 +917,19 @@ def test_a_file_being_written_to_the_ssd_tier_is_served_from_memory(ds: Dataset,
     cache.set_plan(stream)
     writers = []
     try:
-        with cache._lock:
-            cache._staging_used = cache.staging_cap  # staging full: it keeps no copy
+        with cache.guard:
+            cache.staging.used = cache.staging.capacity  # staging full: it keeps no copy
         for i, f in enumerate(ids[:2]):
-            with cache._lock:
-                t = cache._process(i, fill=True)
-                cache._head = i + 1
+            with cache.guard:
+                t = cache.scheduler.process(i, fill=True)
+                cache.cursor.head = i + 1
             assert isinstance(t, Task) and t.kind == "fetch"
-            writers.append(threading.Thread(target=cache._run_fetch, args=(t,)))
+            writers.append(threading.Thread(target=cache.fetcher.run_fetch, args=(t,)))
             writers[-1].start()
-            assert wait_for(lambda f=f: f in cache._ssd_writing, timeout=10)
-        assert cache.backend_reads == 2
+            assert wait_for(lambda f=f: f in cache.staging.writing, timeout=10)
+        assert cache.fetcher.backend_reads == 2
         assert cache.read(ids[0], 0, 1 << 20) == ds.data[ids[0]]
-        assert cache.backend_reads == 2 and cache.demand_reads == 0
+        assert cache.fetcher.backend_reads == 2 and cache.fetcher.demand_reads == 0
         new = b"changed" * 300
         (tmp_path / "data" / ds.paths[ids[1]]).write_bytes(new)
         cache.invalidate(ids[1])
@@ -899,7 +937,7 @@ def test_a_file_being_written_to_the_ssd_tier_is_served_from_memory(ds: Dataset,
         release.set()
         for w in writers:
             w.join(10)
-        assert ids[0] in cache.ssd and ids[1] not in cache.ssd and not cache._ssd_writing
+        assert ids[0] in cache.ssd and ids[1] not in cache.ssd and not cache.staging.writing
     finally:
         release.set()
         cache.close()
@@ -908,40 +946,41 @@ def test_a_file_being_written_to_the_ssd_tier_is_served_from_memory(ds: Dataset,
 def test_kernel_tier_keys_follow_each_rank_past_the_release_point(ds: Dataset) -> None:
     """The release point follows the slowest rank; a file the leading rank has consumed past it is
     re-keyed to its next use (a push can drop it), one still pending for the slower rank is not, and
-    a later access consumed by a rank far ahead does not hide an earlier one still pending. Was: keys
-    stayed at the consumed access until the slowest rank passed it, inside the push window."""
-    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), push=lambda fid, data: True,
-                         drop=lambda fid: None, room=lambda: 1 << 40)
+    a later access consumed by a rank far ahead does not hide an earlier one still pending. (A key
+    left at the consumed access until the slowest rank passes it stays inside the push window: the
+    file could not be dropped.)"""
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), room=lambda: 1 << 40,
+                         kernel=Kernel(push=lambda fid, data: True, drop=lambda fid: None))
     n = len(ds.paths)
     stream = epochs_stream(n, 2, seed=5)  # ranks alternate: even positions rank 0, odd rank 1
     ids = [int(f) for f in stream.file_ids]
     pos = {e: {f: e * n + i for i, f in enumerate(ids[e * n:(e + 1) * n])} for e in (0, 1)}
     cache.set_plan(stream)
     try:
-        with cache._lock:
-            plan, tr = cache._plan, cache._tracker
+        with cache.guard:
+            plan, tr = cache.cursor.plan, cache.cursor.tracker
             assert plan is not None and tr is not None
             consumed, pending = ids[100], ids[101]  # rank 0's and rank 1's
             drift = next(f for f in ids[43:n:2] if pos[1][f] % 2 == 0 and pos[1][f] < n + 100)
             for f in (consumed, pending, drift):
                 cache.ram.put(f, ds.data[f])  # a copy besides the pages: a victim may go (see _make_kernel_room)
-                cache._kernel.set(f, int(ds.sizes[f]), cache._kernel.event(), cache._next_use(f))
-            cache._head, cache._push_limit = 2 * n, 130
+                cache.kernel.belief.set(f, int(ds.sizes[f]), cache.kernel.belief.event(), cache.kernel.next_use(f))
+            cache.cursor.head, cache.kernel.window.limit = 2 * n, 130
             tr.fronts, tr.trail = [120, 41], 41
-            cache._retire(41 - 2 * plan.window)
-            cache._release_ranks(plan, tr)
-            key = cache._kernel.tier._index.key
+            cache.scheduler.retire(41 - 2 * plan.window)
+            cache.kernel.release_ranks(plan, tr)
+            key = cache.kernel.belief.tier._index.key
             assert key(consumed) == pos[1][consumed]
             assert key(pending) == 101 and key(drift) == pos[0][drift]
             # rank 0 a whole epoch ahead, rank 1 still in epoch 0: drift's epoch-1 access is consumed,
             # its epoch-0 one is not
             tr.fronts = [n + 120, 41]
-            cache._release_ranks(plan, tr)
+            cache.kernel.release_ranks(plan, tr)
             assert key(drift) == pos[0][drift] and key(pending) == 101
             q = pos[1][consumed]
             assert key(consumed) == (int(NEVER) if q % 2 == 0 and q < n + 120 - 2 * plan.window else q)
-            cache._kernel.tier.capacity = cache._kernel.tier.used
-            victims = cache._make_kernel_room(ids[60], int(ds.sizes[consumed]), 60)
+            cache.kernel.belief.tier.capacity = cache.kernel.belief.tier.used
+            victims = cache.kernel.make_room(ids[60], int(ds.sizes[consumed]), 60)
             assert consumed in victims and pending not in victims and drift not in victims
     finally:
         cache.close()
@@ -969,25 +1008,35 @@ def test_the_kernel_tier_follows_the_room_down_dropping_what_is_used_furthest(ds
             held.pop(fid, None)
             dropped.add(fid)
 
-    cache = DatasetCache(ds.backend, ram_bytes=total * 2, fetch_threads=2, push=push, drop=drop,
-                         room=lambda: room[0])
+    clock = ManualClock()
+    cache = DatasetCache(ds.backend, ram_bytes=total * 2, fetch_threads=2,
+                         room=lambda: room[0], kernel=Kernel(push=push, drop=drop), clock=clock)
     stream = epochs_stream(len(ds.paths), 2, seed=12, ranks=1)
     ids = stream.file_ids.tolist()
     cache.set_plan(stream)
-    cache.start()
+
+    def later(s: float) -> None:
+        """*s* seconds pass; the prefetcher does what it does meanwhile (the room is read every
+        ROOM_EVERY_S)."""
+        for _ in range(max(1, round(s / PushWindow.ROOM_EVERY_S))):
+            clock.advance(PushWindow.ROOM_EVERY_S)
+            settle(cache)
+
     try:
-        pre_cap = int(2 * total * DatasetCache.PUSH_SHARE)
-        assert wait_for(lambda: cache.stats()["page_cache"]["bytes"] > pre_cap // 2)
-        time.sleep(0.3)
+        pre_cap = int(2 * total * PushWindow.PUSH_SHARE)
+        later(0.3)
+        assert cache.stats()["page_cache"]["bytes"] > pre_cap // 2
         pc = cache.stats()["page_cache"]
         assert pc["capacity"] == pre_cap and pc["bytes"] <= pre_cap + int(ds.sizes.max())
         for f in ids[:3]:  # the job starts reading: the tier may take its full share
             read_whole(cache, f, int(ds.sizes[f]))
-        assert wait_for(lambda: cache.stats()["page_cache"]["capacity"] == int(2 * total * DatasetCache.KERNEL_SHARE))
+        later(0.1)
+        assert cache.stats()["page_cache"]["capacity"] == int(2 * total * KernelTier.KERNEL_SHARE)
         room[0] = total // 5  # the job's processes grew
-        cap = int(total // 5 * DatasetCache.KERNEL_SHARE)
-        assert wait_for(lambda: cache.stats()["page_cache"]["capacity"] == cap)
-        assert wait_for(lambda: cache.stats()["page_cache"]["bytes"] <= cap)
+        cap = int(total // 5 * KernelTier.KERNEL_SHARE)
+        later(0.1)
+        assert cache.stats()["page_cache"]["capacity"] == cap
+        assert cache.stats()["page_cache"]["bytes"] <= cap
         st = cache.stats()["page_cache"]
         assert st["room_drops"] > 0
         with lock:
@@ -995,15 +1044,36 @@ def test_the_kernel_tier_follows_the_room_down_dropping_what_is_used_furthest(ds
             kept = sum(held.values())
         assert kept <= cap
         room[0] = 2 * total  # the room grows back: the low-water mark holds for ROOM_WINDOW_S
-        time.sleep(0.3)
+        later(0.3)
         assert cache.stats()["page_cache"]["capacity"] == cap
         with lock:
             n0, was_dropped = len(pushed), set(dropped)
         for f in ids[3 : len(ds.paths)]:  # dropped files are pushed again as the reader nears them
             if f not in held:
                 read_whole(cache, f, int(ds.sizes[f]))
-            time.sleep(0.002)
+            clock.advance(0.002)
+            settle(cache)
         with lock:
             assert len(was_dropped & set(pushed[n0:])) > len(was_dropped) // 2
+    finally:
+        cache.close()
+
+
+def test_a_reader_that_fetched_a_file_itself_serves_it_when_staging_has_no_room(ds: Dataset) -> None:
+    """The reader outran the prefetcher and fetched its file on its own thread; with no tier room
+    (a cluster node's RAM tier goes to its owned store) and staging full, the bytes are not kept,
+    and the reader serves them rather than reading the backend a second time."""
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum()))
+    stream = epochs_stream(len(ds.paths), 1, seed=5)
+    fid = int(stream.file_ids[0])
+    cache.set_plan(stream)
+    try:
+        with cache.guard:
+            cache.residency.ram.capacity = 0
+            cache.staging.used = cache.staging.capacity
+        assert read_whole(cache, fid, len(ds.data[fid]), chunk=1 << 20) == ds.data[fid]
+        with cache.guard:
+            assert cache.fetcher.overflow_drops == 1  # fetched, not kept
+            assert cache.fetcher.backend_reads == 1 and cache.fetcher.backend_bytes == len(ds.data[fid])
     finally:
         cache.close()

@@ -131,7 +131,7 @@ def test_writeback_random_writes_truncates_match_a_model(tmp_path: Path) -> None
 def test_backpressure_bounds_memory_and_other_tasks_keep_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from fsd.ckpt import writeback
+    from fsd.ckpt import device_io
 
     devs = device_dirs(tmp_path, 2)
     real = os.pwritev
@@ -140,7 +140,7 @@ def test_backpressure_bounds_memory_and_other_tasks_keep_running(tmp_path: Path,
         time.sleep(0.01)  # a slow device: the writer must wait for it, not grow memory
         return real(fd, bufs, off)
 
-    monkeypatch.setattr(writeback.os, "pwritev", slow_pwritev)
+    monkeypatch.setattr(device_io.os, "pwritev", slow_pwritev)
     data = os.urandom(24 * MiB)
 
     async def main() -> None:
@@ -175,7 +175,7 @@ def test_backpressure_bounds_memory_and_other_tasks_keep_running(tmp_path: Path,
 def test_device_error_reaches_the_writer_and_status_names_the_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    from fsd.ckpt import writeback
+    from fsd.ckpt import device_io
 
     devs = device_dirs(tmp_path, 2)
     real = os.pwritev
@@ -193,8 +193,8 @@ def test_device_error_reaches_the_writer_and_status_names_the_device(tmp_path: P
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, bufs, off)
 
-    monkeypatch.setattr(writeback.os, "pwritev", failing)
-    monkeypatch.setattr(writeback.os, "open", opener)
+    monkeypatch.setattr(device_io.os, "pwritev", failing)
+    monkeypatch.setattr(device_io.os, "open", opener)
 
     async def main() -> None:
         wb = WriteBack(devs, dirty_limit=8 * MiB, chunk_size=MiB)

@@ -1,0 +1,198 @@
+"""Cluster mode on real mounts: two `fsd mount --cluster` daemons on loopback over one dataset directory.
+
+Each node's plan is the job's global plan with its own ranks; reads through either mount must equal
+the source byte for byte whatever the peer does (shares, dies, holds another plan).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import REPO, wait_for
+from torch.utils.data import DistributedSampler
+
+from fsd.cluster import peer_pb2, peer_pb2_grpc
+
+pytestmark = [pytest.mark.mount, pytest.mark.timeout(180)]
+
+SEED, EPOCHS = 7, 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dataset(root: Path, classes: int = 4, per_class: int = 30) -> list[Path]:
+    """An ImageFolder tree; its files in the plan's (imagefolder) order."""
+    out = []
+    for c in range(classes):
+        d = root / f"class{c}"
+        d.mkdir(parents=True)
+        for i in range(per_class):
+            p = d / f"img{i:03d}.jpg"
+            p.write_bytes(os.urandom(5000 + 397 * ((c * per_class + i) % 41)))
+            out.append(p)
+    return out
+
+
+class Cluster:
+    """Two nodes' config files (same list, same secret) and their mounts."""
+
+    def __init__(self, tmp: Path, mounter, *, capacity: str = "4M", metrics: bool = False) -> None:
+        self.tmp = tmp
+        self.src = tmp / "src"
+        self.files = _dataset(self.src)
+        self.expect = {p.relative_to(self.src): p.read_bytes() for p in self.files}
+        secret = tmp / "secret"
+        secret.write_text("test-secret-0123456789\n")
+        secret.chmod(0o600)
+        self.ports = [_free_port(), _free_port()]
+        self.metrics_port = _free_port() if metrics else None
+        nodes = json.dumps([f"127.0.0.1:{p}" for p in self.ports])
+        self.mnts, self.mounts = [], []
+        for i in range(2):
+            cfg = tmp / f"node{i}.toml"
+            cfg.write_text(f"node = {i}\nnodes = {nodes}\nsecret_file = \"{secret}\"\ncapacity = \"{capacity}\"\n"
+                           "fetch_timeout = 5.0\nconnect_timeout = 1.0\nbackoff_max = 2.0\n")
+            mnt = tmp / f"mnt{i}"
+            mnt.mkdir()
+            args = ["--data", self.src, "--at", mnt, "--ram-cache", "256K", "--cluster", cfg]
+            if metrics and i == 0:
+                args += ["--metrics-port", str(self.metrics_port)]
+            self.mounts.append(mounter(args, mnt))
+            self.mnts.append(mnt)
+
+    def plan(self, i: int, **over) -> dict:
+        return {"seed": SEED, "epochs": EPOCHS, "sampler": "distributed", "num_replicas": 2, "ranks": [i],
+                "order": "imagefolder", "batch_size": 4, "num_workers": 0} | over
+
+    def status(self, i: int) -> dict:
+        return self.mounts[i].status()["cluster"]
+
+    def order(self, rank: int, epoch: int, seed: int = SEED) -> list[Path]:
+        s = DistributedSampler(list(range(len(self.files))), num_replicas=2, rank=rank, shuffle=True, seed=seed)
+        s.set_epoch(epoch)
+        return [self.files[k].relative_to(self.src) for k in s]
+
+    def read_exact(self, node: int, rels: list[Path]) -> None:
+        for rel in rels:
+            assert (self.mnts[node] / rel).read_bytes() == self.expect[rel], f"node {node}: {rel} differs"
+
+
+def test_reads_through_the_peer_are_byte_exact_and_counted(tmp_path: Path, mounter) -> None:
+    c = Cluster(tmp_path, mounter, metrics=True)
+    c.mounts[0].control(c.plan(0))
+    assert wait_for(lambda: c.status(0)["sharing"])
+    c.mounts[1].control(c.plan(1))  # node 0 shares already: node 1's fetches from it succeed
+    assert wait_for(lambda: c.status(1)["sharing"])
+    for epoch in range(EPOCHS):
+        c.read_exact(1, c.order(1, epoch))
+        c.read_exact(0, c.order(0, epoch))
+    s0, s1 = c.status(0), c.status(1)
+    assert s0["fingerprint"] == s1["fingerprint"]
+    owners = s1["owners"]
+    assert owners == s0["owners"] and all(o["files"] > 0 for o in owners)  # the same owner map on both
+    assert s1["bytes"]["peers"] > 0 and s1["source"]["peer_files"] > 0
+    assert s0["peers"][0]["served_samples"] > 0 and s0["bytes"]["served_to_peers"] > 0
+    assert s1["peers"][0]["state"] == "up"
+    # every file was read from the PFS by its owner alone, at most once per node: the store keeps them
+    pfs_files = s0["source"]["pfs_files"] + s1["source"]["pfs_files"]
+    assert s0["source"]["fallback_files"] + s1["source"]["fallback_files"] <= len(c.files)
+    assert pfs_files <= 2 * len(c.files)
+    # `fsd status` shows the cluster lines
+    out = subprocess.run([sys.executable, "-m", "fsd.cli", "status", str(c.mnts[1])], capture_output=True,
+                         text=True, cwd=REPO, timeout=60).stdout
+    assert "cluster: node 1 of 2" in out and "sharing plan" in out and "peer 0 127.0.0.1:" in out
+    # the Prometheus exporter serves the same counters
+    text = urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_port}/metrics", timeout=10).read().decode()
+    assert "fsd_cluster_peer_served_bytes_total" in text or "fsd_cluster_peer_served_bytes" in text
+    # a request without the secret is refused and counted
+    with grpc.insecure_channel(f"127.0.0.1:{c.ports[0]}") as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Fetch(peer_pb2.FetchRequest(fingerprint=s0["fingerprint"], node=1, ids=[0, 1]), timeout=10))
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert c.status(0)["server"]["unauthenticated"] >= 1
+
+
+def test_a_peer_killed_mid_read_falls_back_to_the_pfs(tmp_path: Path, mounter) -> None:
+    c = Cluster(tmp_path, mounter)
+    c.mounts[0].control(c.plan(0))
+    assert wait_for(lambda: c.status(0)["sharing"])
+    c.mounts[1].control(c.plan(1))
+    assert wait_for(lambda: c.status(1)["sharing"])
+    first = c.order(1, 0)
+    c.read_exact(1, first[: len(first) // 2])
+    assert c.status(1)["bytes"]["peers"] > 0
+    os.killpg(c.mounts[0].proc.pid, signal.SIGKILL)  # node 0 is gone mid-epoch
+    c.mounts[0].proc.wait(30)
+    c.read_exact(1, first[len(first) // 2:])
+    for epoch in range(1, EPOCHS):
+        c.read_exact(1, c.order(1, epoch))
+    s1 = c.status(1)
+    peer = s1["peers"][0]
+    assert s1["source"]["fallback_files"] > 0 and peer["fallbacks"] > 0
+    assert peer["state"] != "up" and peer["errors"] + peer["timeouts"] + peer["skipped_batches"] > 0
+
+
+def test_plans_that_differ_are_not_shared(tmp_path: Path, mounter) -> None:
+    c = Cluster(tmp_path, mounter)
+    c.mounts[0].control(c.plan(0))
+    assert wait_for(lambda: c.status(0)["sharing"])
+    c.mounts[1].control(c.plan(1, seed=SEED + 1))  # another seed: another owner map
+    assert wait_for(lambda: c.status(1)["sharing"])
+    assert c.status(0)["fingerprint"] != c.status(1)["fingerprint"]
+    for epoch in range(EPOCHS):
+        c.read_exact(1, c.order(1, epoch, seed=SEED + 1))
+        c.read_exact(0, c.order(0, epoch))
+    s0, s1 = c.status(0), c.status(1)
+    assert s1["bytes"]["peers"] == 0 and s0["bytes"]["peers"] == 0
+    assert s1["peers"][0]["state"] == "plan differs"
+    assert s0["peers"][0]["state"] == "plan differs"
+    assert s1["peers"][0]["fallbacks"] > 0 and s0["peers"][0]["fallbacks"] > 0
+    # a plan the cluster cannot share at all: node 1 says why and reads the PFS alone
+    c.mounts[1].control({"seed": 1, "epochs": 1, "sampler": "random"})
+    assert wait_for(lambda: not c.status(1)["sharing"])
+    assert "distributed" in c.status(1)["not_sharing_because"]
+    assert "not shared" in (c.mnts[1] / ".fsd" / "error").read_text()
+    c.read_exact(1, sorted(c.expect))
+    # ranks the cluster layout puts on the other node
+    c.mounts[1].control(c.plan(0))
+    assert wait_for(lambda: "ranks" in (c.status(1)["not_sharing_because"] or ""))
+    c.read_exact(1, sorted(c.expect))
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("node = 0\nnodes = [\"127.0.0.1:1\"]\nsecret_file = \"missing\"\n", "does not exist"),
+    ("node = 2\nnodes = [\"127.0.0.1:1\", \"127.0.0.1:2\"]\nsecret_file = \"secret\"\n", "`node`"),
+    ("node = 0\nnodes = [\"127.0.0.1\"]\nsecret_file = \"secret\"\n", "no port"),
+    ("node = 0\nnodes = [\"127.0.0.1:1\"]\nsecret_file = \"open\"\n", "chmod 600"),
+    ("node = 0\nnodes = [\"127.0.0.1:1\"\n", "cluster config"),
+])
+def test_a_bad_cluster_file_is_a_one_line_error(tmp_path: Path, body: str, needle: str) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "mnt").mkdir()
+    (tmp_path / "secret").write_text("s\n")
+    (tmp_path / "secret").chmod(0o600)
+    (tmp_path / "open").write_text("s\n")
+    (tmp_path / "open").chmod(0o644)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(body)
+    r = subprocess.run([sys.executable, "-m", "fsd.cli", "mount", "--data", str(tmp_path / "src"), "--at",
+                        str(tmp_path / "mnt"), "--cluster", str(cfg), "--daemon", "--log", str(tmp_path / "log")],
+                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fsd: ") and needle in lines[0], r.stderr
+    assert not os.path.ismount(tmp_path / "mnt")
