@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Self, Sequence
+from typing import Any, Callable, Iterator, Self, Sequence
 
 import numpy as np
 
@@ -93,13 +93,13 @@ def cold_start(python: str = sys.executable) -> None:
         subprocess.run([python, "-c", "import torch, torch.utils.data, numpy, pyfuse3, trio"], check=True, timeout=120)
 
 
-def train_plan(args: Any) -> dict[str, Any]:
-    """The fsd plan of ``bench-train train``'s sampler (DistributedSampler over all ranks of the node).
-
-    The job script (launcher) writes it before it starts the trainers, and rank 0 writes it
-    again at start-up: the same plan again is a no-op."""
+def train_plan(args: Any, ranks: Sequence[int] | None = None) -> dict[str, Any]:
+    """The fsd plan of ``bench-train train``'s sampler: DistributedSampler over ``args.world_size``
+    replicas, of which the node runs *ranks* (default: all). The job script (launcher) writes it before
+    it starts the trainers, the node's first rank again at start-up: the same plan again is a no-op."""
     return {"seed": args.seed, "epochs": args.epochs, "sampler": "distributed", "num_replicas": args.world_size,
-            "ranks": list(range(args.world_size)), "shuffle": True, "drop_last": False, "order": "imagefolder",
+            "ranks": list(range(args.world_size) if ranks is None else ranks), "shuffle": True,
+            "drop_last": False, "order": "imagefolder",
             "batch_size": args.batch_size, "num_workers": args.num_workers, "prefetch_factor": args.prefetch_factor}
 
 
@@ -350,12 +350,12 @@ def fsd_cmd(python: str = sys.executable) -> list[str]:
 
 
 @contextlib.contextmanager
-def fsd_data_mount(source: Path, mountpoint: Path, logfile: Path, *options: str,
-                   cg: MemCgroup | None = None) -> Iterator[None]:
-    """``fsd mount --data SOURCE [OPTIONS] --daemon`` (inside *cg*), unmounted afterwards (lazily if
-    ``fsd unmount`` fails). *mountpoint* is *source* unless *options* has ``--at``."""
+def fsd_data_mount(source: Path, mountpoint: Path, logfile: Path, *options: str, cg: MemCgroup | None = None,
+                   wrap: Callable[[list[str]], list[str]] | None = None) -> Iterator[None]:
+    """``fsd mount --data SOURCE [OPTIONS] --daemon`` (inside *cg*, or as *wrap* prefixes it), unmounted
+    afterwards (lazily if ``fsd unmount`` fails). *mountpoint* is *source* unless *options* has ``--at``."""
     cmd = [*fsd_cmd(), "mount", "--data", str(source), *options, "--log", str(logfile), "--daemon"]
-    run_logged(cg.wrap(cmd) if cg else cmd, timeout=120, env=dict(os.environ))
+    run_logged(wrap(cmd) if wrap else cg.wrap(cmd) if cg else cmd, timeout=120, env=dict(os.environ))
     if not os.path.ismount(mountpoint):
         raise RuntimeError(f"fsd mount --data {source} returned but {mountpoint} is not a mount point")
     try:

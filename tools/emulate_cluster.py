@@ -8,7 +8,12 @@
   (netem is not available here), so a node's upload and download are each limited to the link rate,
 - per node a cgroup-v1 memory cgroup ``fsd-cluster-<tag>-<i>`` (when a limit is given),
 - one shared PFS: one throttled loop device made by ``tools/emulate.py`` under DIR/storage, so its
-  bandwidth is shared by all nodes as on a real PFS (and optionally NVMe devices, some per node).
+  bandwidth is shared by all nodes as on a real PFS (and optionally NVMe devices, some per node),
+- on demand (:func:`attach_pfs_views`), per node a read-only *client view* of the PFS: the PFS is
+  frozen read-only and each node mounts it through its own loop device stacked on the PFS's loop
+  (``--direct-io``), so each node has its own page cache of the PFS (as each client of a real PFS
+  has) while every byte still crosses the one throttled device, and each node's reads are counted
+  on its own loop device.
 
 Processes enter a node with :meth:`ClusterEmulation.wrap` (cgroup, then ``nsenter --net``): only the
 network namespace, never ``ip netns exec``, which also unshares the mount namespace and would hide
@@ -74,6 +79,8 @@ class Node:
     address: str
     memcg: str | None = None
     nvme: list[str] = dataclasses.field(default_factory=list)
+    pfs_view: str | None = None       # mount point of this node's read-only view of the PFS
+    pfs_view_loop: str | None = None  # its loop device (stacked on the PFS's loop device)
 
 
 @dataclasses.dataclass
@@ -102,12 +109,25 @@ class ClusterEmulation:
                     *inner]
         return inner
 
+    def link_bytes_s(self) -> float:
+        """The shaped link rate in bytes/s (tc's units: ``800mbit`` = 800e6 bit/s)."""
+        return link_rate_bytes(self.link_rate)
+
     def addresses(self, port: int) -> list[str]:
         """Every node's ``host:port`` for a cluster config."""
         return [f"{n.address}:{port}" for n in self.nodes]
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def link_rate_bytes(rate: str) -> float:
+    """A tc rate (``800mbit``, ``1gbit``, ``100mbps``) in bytes/s; tc's prefixes are decimal."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)\s*", rate.lower())
+    if not m:
+        raise ValueError(f"not a tc rate: {rate!r} (write e.g. 800mbit)")
+    v = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    return v / 8 if m.group(3) == "bit" else v
 
 
 def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -288,6 +308,7 @@ def down(dir: Path | str) -> list[str]:
         _kill_pids(pids, f"memcg {cg.name}")
     problems: list[str] = []
     storage = Path(emu.storage) if emu is not None and emu.storage else d / "storage"
+    problems += _detach_views(d, emu, storage)  # they hold the PFS's loop device open
     if emulate.load_state(storage) is not None:
         problems += emulate.down(storage)
     for ns in sorted(netns):
@@ -332,6 +353,87 @@ def status(dir: Path | str) -> dict[str, Any]:
         nodes.append(item)
     return {"dir": str(d), "up": True, "tag": emu.tag, "bridge": emu.bridge, "link_rate": emu.link_rate,
             "pfs": emu.pfs, "nodes": nodes}
+
+
+# --------------------------------------------------------------------------- per-node views of the PFS
+
+
+def pfs_loop(storage: Path | str) -> str | None:
+    """The PFS's loop device of the ``tools/emulate.py`` storage in *storage*, or None."""
+    st = emulate.load_state(storage)
+    dev = next((x for x in st.devices if x.name == "pfs"), None) if st is not None else None
+    return dev.loop if dev is not None else None
+
+
+def view_loops(pfs_dev: str | None) -> list[str]:
+    """Loop devices stacked on the loop device *pfs_dev* (the nodes' views), from sysfs."""
+    return emulate.loops_for(pfs_dev) if pfs_dev else []
+
+
+def attach_pfs_views(emu: ClusterEmulation, nodes: Sequence[int] | None = None) -> list[Path]:
+    """Give each of *nodes* (default: all) its own read-only client view of the shared PFS; returns
+    their mount points (``DIR/views/node<i>``, the PFS's tree below each).
+
+    The PFS is frozen first (remounted read-only, which also makes its journal clean), then each
+    view is a read-only loop device with direct I/O on the PFS's loop device, mounted read-only: a
+    node's reads fill only its own page cache (charged to whoever reads, e.g. the node's memory
+    cgroup) and all of them cross the one throttled device. Fresh views have cold caches. Undo with
+    :func:`detach_pfs_views` (``down`` does it too)."""
+    if not emu.pfs or not emu.storage:
+        raise emulate.EmulateError("the emulated cluster has no PFS")
+    loop = pfs_loop(emu.storage)
+    if loop is None:
+        raise emulate.EmulateError(f"no PFS loop device recorded in {emu.storage}")
+    subprocess.run(["sync", "-f", emu.pfs], timeout=600, check=False)
+    _run(["mount", "-o", "remount,ro", emu.pfs])
+    out = []
+    try:
+        for i in range(len(emu.nodes)) if nodes is None else nodes:
+            n = emu.nodes[i]
+            if n.pfs_view:
+                raise emulate.EmulateError(f"node {i} has a PFS view already ({n.pfs_view})")
+            mnt = emu.dir / "views" / f"node{i}"
+            mnt.mkdir(parents=True, exist_ok=True)
+            n.pfs_view = str(mnt)
+            _save(emu)
+            n.pfs_view_loop = _run(["losetup", "--find", "--show", "--read-only", "--direct-io=on",
+                                    loop]).stdout.strip()
+            _save(emu)
+            _run(["mount", "-t", "ext4", "-o", "ro,noatime", n.pfs_view_loop, str(mnt)])
+            out.append(mnt)
+    except BaseException:
+        detach_pfs_views(emu)
+        raise
+    return out
+
+
+def detach_pfs_views(emu: ClusterEmulation) -> list[str]:
+    """Unmount and detach every node's PFS view; returns what could not be removed."""
+    problems = _detach_views(emu.dir, emu, Path(emu.storage) if emu.storage else emu.dir / "storage")
+    for n in emu.nodes:
+        n.pfs_view = n.pfs_view_loop = None
+    _save(emu)
+    return problems
+
+
+def _detach_views(d: Path, emu: ClusterEmulation | None, storage: Path) -> list[str]:
+    problems: list[str] = []
+    views = {str(d / "views" / x.name) for x in (d / "views").glob("node*")} if (d / "views").exists() else set()
+    views |= {n.pfs_view for n in emu.nodes if n.pfs_view} if emu is not None else set()
+    for mnt in sorted(views):
+        for sub in [*emulate._mounts_under(mnt), mnt]:  # deepest first, the view itself last
+            if os.path.ismount(sub) and _run(["umount", sub], check=False).returncode != 0:
+                log.warning("umount %s failed (busy?); lazy unmount", sub)
+                _run(["umount", "-l", sub], check=False)
+    pfs_dev = pfs_loop(storage)
+    for loop in view_loops(pfs_dev):
+        _run(["losetup", "-d", loop], check=False)
+    deadline = time.monotonic() + 10  # a lazily unmounted view's loop goes when its last user does
+    while view_loops(pfs_dev) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    problems += [f"PFS view loop {x} still attached" for x in view_loops(pfs_dev)]
+    problems += [f"PFS view {m} still mounted" for m in sorted(views) if os.path.ismount(m)]
+    return problems
 
 
 @contextlib.contextmanager
