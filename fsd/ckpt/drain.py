@@ -206,8 +206,11 @@ class Drainer:
 
     *current* tells whether a copy job still describes the file under its name (not changed,
     renamed or unlinked since it was submitted); one that is not is skipped, and a copy made while
-    it stopped being current is not counted as drained.
+    it stopped being current is not counted as drained. Status names only the most recent copies
+    (a job that checkpoints for weeks must not grow the status document); ``files`` counts all.
     """
+
+    RECENT = 100  # drained files named in status
 
     def __init__(self, device_roots: list[Path], backing_fd: int, current: Callable[[DrainJob], bool]) -> None:
         self.device_roots = device_roots
@@ -216,7 +219,8 @@ class Drainer:
         self.renamed: Callable[[str, str], None] = lambda src, dst: None
         self._send, self._recv = trio.open_memory_channel[DrainJob](100_000)
         self.limiter = trio.CapacityLimiter(1)
-        self.drained: dict[str, dict[str, Any]] = {}
+        self.drained: dict[str, dict[str, Any]] = {}  # the RECENT newest copies, oldest first
+        self.files = 0  # files copied by this mount
         self.queued = 0
         self.queued_bytes = 0
         self.bytes = 0
@@ -275,11 +279,14 @@ class Drainer:
                 self.errors[job.rel] = f"{job.op}: {os.strerror(e.errno or errno.EIO)}"
                 log.error("drain: %s of %s failed: %s", job.op, job.rel, e)
                 return
+            for nid, (v, rel) in list(self._copied.items()):
+                if rel == job.rel or rel.startswith(job.rel + "/"):
+                    if job.op == "rename":
+                        self._copied[nid] = (v, job.dst + rel[len(job.rel):])
+                    elif job.op in ("unlink", "rmdir"):
+                        del self._copied[nid]
             if job.op == "rename":
                 self.renamed(job.rel, job.dst)
-                for nid, (v, rel) in list(self._copied.items()):
-                    if rel == job.rel or rel.startswith(job.rel + "/"):
-                        self._copied[nid] = (v, job.dst + rel[len(job.rel):])
             return
         if not self.current(job):
             return
@@ -302,7 +309,11 @@ class Drainer:
         if self.current(job):
             dt = time.perf_counter() - t0
             if not done:
+                self.drained.pop(rel, None)  # re-inserted as the newest
                 self.drained[rel] = {"bytes": job.size, "seconds": round(dt, 3), "unix": time.time()}
+                while len(self.drained) > self.RECENT:
+                    del self.drained[next(iter(self.drained))]
+                self.files += 1
                 self.bytes += job.size
                 self.copy_s += dt
             self._copied[job.id] = (job.version, rel)
@@ -337,7 +348,7 @@ class Drainer:
     def status(self) -> dict[str, Any]:
         """Drained files, what is queued (jobs, bytes, age of the oldest), rate, errors."""
         lag = time.monotonic() - self._submitted[0] if self._submitted else 0.0
-        return {"drained": self.drained, "queued": self.queued, "queued_bytes": self.queued_bytes,
+        return {"drained": self.drained, "files": self.files, "queued": self.queued, "queued_bytes": self.queued_bytes,
                 "lag_s": round(lag, 3),
                 "bytes": self.bytes, "rate_MBps": round(self.bytes / self.copy_s / 1e6, 1) if self.copy_s else 0.0,
                 "errors": self.errors}

@@ -232,6 +232,36 @@ def test_drainer_copies_current_jobs_whole_and_skips_stale_ones(tmp_path: Path) 
     assert sorted(os.listdir(back / "ck")) == ["a.pt"]  # no b.pt, no temporary name left
 
 
+def test_drain_status_names_only_the_newest_copies_and_forgets_unlinked_files(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(Drainer, "RECENT", 3)
+    roots = device_dirs(tmp_path, 1)
+    back = tmp_path / "back"
+    back.mkdir()
+    lay = Layout(4 * KiB, 1, 0)
+    for i in range(8):
+        _striped(roots, 50 + i, lay, bytes([i]) * 10)
+    fd = os.open(back, os.O_RDONLY | os.O_DIRECTORY)
+
+    async def main() -> Drainer:
+        dr = Drainer(roots, fd, lambda job: True)
+        async with trio.open_nursery() as n:
+            n.start_soon(dr.run)
+            for i in range(8):
+                dr.submit(DrainJob(50 + i, 1, f"ck-{i}.pt", 10, lay))
+            dr.submit(DrainJob(0, 0, "ck-7.pt", op="unlink"))
+            await dr.stop()
+        return dr
+
+    try:
+        dr = trio.run(main)
+    finally:
+        os.close(fd)
+    st = dr.status()
+    assert list(st["drained"]) == ["ck-5.pt", "ck-6.pt", "ck-7.pt"] and st["files"] == 8 and st["bytes"] == 80
+    assert dr.is_drained(56, 1, "ck-6.pt") and not dr.is_drained(57, 1, "ck-7.pt")
+    assert sorted(os.listdir(back)) == [f"ck-{i}.pt" for i in range(7)]
+
+
 def test_a_failed_drain_leaves_no_temporary_file_and_reports_the_error(tmp_path: Path) -> None:
     roots = device_dirs(tmp_path, 1)
     back = tmp_path / "back"
