@@ -77,6 +77,8 @@ DIVERGED = "diverged"
 DIV_WINDOW = 32
 DIV_THRESHOLD = 12
 RESYNC_MATCHES = 8
+PREDICTED_WINDOW = 256
+PREDICTED_MIN = 0.5
 MAX_ANCHORS = 4096  # positions a resync run is tried at: its newest read's file's first accesses
 CONTINUE_S = 0.2  # a read at offset > 0 this soon after the read of the file that it continues is part of it
 CONTINUE_BYTES = 4 << 20  # ... and at most this far past where that one ended (readahead)
@@ -131,6 +133,7 @@ class ProgressTracker:
         self._rate_pos = -1
         self._rate_t = 0.0
         self.recent: deque[bool] = deque(maxlen=DIV_WINDOW)
+        self._predicted: deque[bool] = deque(maxlen=PREDICTED_WINDOW)  # new planned reads: predicted
         self.matched = 0
         self.mismatched = 0
         self.foreign = 0
@@ -299,6 +302,20 @@ class ProgressTracker:
         """Match a read (*off*: its file offset, *size*: its length) or a lookup (*off* None) of *fid*;
         returns its stream position or None. ``last_new`` says whether it was a new read or lookup (not
         a later part of a read of the file), ``last_predicted`` whether the plan explained it near a front."""
+        q = self._observe(fid, now, max_jump, off, size)
+        if self.last_new and self.index.count(fid):
+            self._predicted.append(self.last_predicted)
+        return q
+
+    def followed(self) -> bool:
+        """Whether the plan predicts the readers' files at all: at least ``PREDICTED_MIN`` of the last
+        ``PREDICTED_WINDOW`` planned reads (once ``DIV_WINDOW`` arrived). A wrong plan is matched by
+        chance now and then, on a small dataset often: divergence and resync alone would prefetch
+        after every chance resync and release it at the next divergence."""
+        n = len(self._predicted)
+        return n < DIV_WINDOW or sum(self._predicted) >= PREDICTED_MIN * n
+
+    def _observe(self, fid: int, now: float, max_jump: int, off: int | None, size: int) -> int | None:
         self.last_new, self.last_predicted = True, False
         if self.index.count(fid) == 0:
             self.foreign += 1
@@ -459,5 +476,6 @@ class ProgressTracker:
             "foreign": self.foreign,
             "divergences": self.divergences,
             "resyncs": self.resyncs,
+            "predicted": round(sum(self._predicted) / len(self._predicted), 3) if self._predicted else None,
         }
 

@@ -141,8 +141,8 @@ class Scheduler:
             plan, tr = cur.plan, cur.tracker
             if dropped:
                 kernel.note_drop()
-            if self.guard.closed or plan is None or tr is None or tr.state != SYNCED:
-                return []
+            if self.guard.closed or plan is None or tr is None or tr.state != SYNCED or not tr.followed():
+                return []  # no plan, or the readers do not follow it: nothing to fetch ahead
             now = self.clock()
             self.retire(max(0, tr.trail - 2 * plan.window))
             kernel.release_ranks(plan, tr)

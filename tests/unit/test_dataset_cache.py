@@ -20,6 +20,7 @@ from fsd.data.cache import DatasetCache
 from fsd.data.kernel_tier import KernelTier
 from fsd.data.memory import DropWatch
 from fsd.data.prefetcher import Task
+from fsd.data.progress import SYNCED
 from fsd.data.push_window import PushWindow
 from fsd.data.tiers import SsdEntry, SsdTier
 from fsd.plan.access_stream import NodeStream
@@ -323,6 +324,28 @@ def test_the_head_passes_accesses_their_rank_has_read_past(ds: Dataset) -> None:
         assert all(tr.rank_of[q] == 0 or q >= n + 200 - 4 for q in fetched), fetched
         assert cache.stats()["plan"]["head"] > n + 200 and cache.cursor.resync_fronts == []
         assert any(tr.rank_of[q] == 1 for q in fetched)  # past rank 1's front, its accesses are fetched
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("right", [True, False], ids=["right-plan", "wrong-plan"])
+def test_nothing_is_fetched_ahead_for_a_plan_the_reads_do_not_follow(ds: Dataset, right: bool) -> None:
+    """A wrong plan is resynced by chance now and then; even then the coordinator fetches nothing
+    ahead (each such resync used to fetch what the next divergence released). The right plan is."""
+    n = len(ds.paths)
+    cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2)
+    stream = epochs_stream(n, 2, seed=12, window=4)
+    cache.set_plan(stream)
+    reads = stream.file_ids[:100] if right else np.random.default_rng(99).permutation(n)[:100]
+    try:
+        tr = cache.cursor.tracker
+        assert tr is not None
+        with cache.guard:
+            for i, f in enumerate(reads.tolist()):
+                cache.scheduler.observe(f, i * 1e-3)
+            assert tr.followed() == right
+            tr.state = SYNCED  # what a chance resync leaves
+        assert bool(cache.scheduler.schedule()) == right
     finally:
         cache.close()
 
