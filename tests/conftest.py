@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -193,6 +194,19 @@ def wait_for(cond: Callable[[], object], timeout: float = 20.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll *pred* every 20 ms until it returns something true, and return that; AssertionError
+    naming *what* once *timeout* seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
 
 
 class Kernel:

@@ -185,6 +185,19 @@ def check_relative_path(key: str, v: Any) -> str:
     return "/".join(parts)
 
 
+def order_of(d: dict[str, Any], kw: dict[str, Any], root: str) -> str:
+    """The plan's ``order``; for ``list`` its ``list_file`` (relative to *root*) goes into *kw*."""
+    order = _choice(d, "order", "imagefolder", ORDERS)
+    if order == "list":
+        if "list_file" not in d:
+            raise PlanError("plan: 'list_file' is required when 'order' is \"list\" "
+                            f"(a file of paths relative to the {root}, one per line)")
+        kw["list_file"] = check_relative_path("list_file", d["list_file"])
+    elif "list_file" in d:
+        raise PlanError(f"plan: 'list_file' applies only to order \"list\", not \"{order}\"")
+    return order
+
+
 def _no_dupes(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     d: dict[str, Any] = {}
     for k, v in pairs:
@@ -282,14 +295,7 @@ def _parse(data: bytes) -> Plan:
             raise PlanError("plan: 'indices_file' is required for sampler \"indices\" "
                             "(a .npy or .json file relative to the dataset root)")
         kw["indices_file"] = check_relative_path("indices_file", d["indices_file"])
-    order = _choice(d, "order", "imagefolder", ORDERS)
-    if order == "list":
-        if "list_file" not in d:
-            raise PlanError("plan: 'list_file' is required when 'order' is \"list\" "
-                            "(a file of relative paths, one per line)")
-        kw["list_file"] = check_relative_path("list_file", d["list_file"])
-    elif "list_file" in d:
-        raise PlanError(f"plan: 'list_file' applies only to order \"list\", not \"{order}\"")
+    order = order_of(d, kw, "dataset root")
     return Plan(
         epochs=epochs, sampler=sampler, seed=seed, start_epoch=start_epoch, order=order,
         batch_size=_int(d, "batch_size", 1, 1, MAX_BATCH_SIZE),

@@ -48,7 +48,6 @@ from fsd.plan.document import (
     MAX_PREFETCH,
     MAX_REPLICAS,
     MAX_WORKERS,
-    ORDERS,
     SAMPLERS,
     SEED_MAX,
     SEED_MIN,
@@ -58,6 +57,7 @@ from fsd.plan.document import (
     _choice,
     _decode,
     _describe,
+    order_of,
     _int,
     check_relative_path,
     parse_plan,
@@ -301,15 +301,8 @@ def _loader(d: Any, i: int, job: dict[str, Any], earlier: dict[str, Loader]) -> 
             raise PlanError(f"plan: '{key}' applies only to sampler {which}, not \"{sampler}\"{extra}")
     root = _root(d)
     name = _name(d, i, root)
-    order = _choice(d, "order", "imagefolder", ORDERS)
     kw: dict[str, Any] = {}
-    if order == "list":
-        if "list_file" not in d:
-            raise PlanError("plan: 'list_file' is required when 'order' is \"list\" "
-                            "(a file of paths relative to the loader's root, one per line)")
-        kw["list_file"] = check_relative_path("list_file", d["list_file"])
-    elif "list_file" in d:
-        raise PlanError(f"plan: 'list_file' applies only to order \"list\", not \"{order}\"")
+    order = order_of(d, kw, "loader's root")
     kw["seed"] = _int(d, "seed", 0, SEED_MIN, SEED_MAX)
     if sampler == "distributed":
         if kw["seed"] + job["epochs"] - 1 > SEED_MAX:

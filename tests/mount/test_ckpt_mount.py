@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import write_until_error
+from conftest import wait_until, write_until_error
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
 
@@ -39,24 +39,13 @@ class Ckpt:
                 "--dirty-limit", dirty, "--no-drain", *extra]  # devices only, unless a test adds --drain
 
 
-def _wait(pred: Any, timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def _settled(m: Any) -> dict:
     """Status once nothing is pending durability."""
     def ready() -> dict | None:
         s = m.status()
         return None if s["pending_durability"] else s
 
-    return _wait(ready, what="durability")
+    return wait_until(ready, what="durability")
 
 
 def _kill(m: Any) -> None:
@@ -252,7 +241,7 @@ def test_unlinked_file_stays_readable_until_last_close(ck: Ckpt, mounter: Any) -
     assert [u["bytes"] for u in st["unlinked_open"]] == [5 * MiB]  # the leaked fd is visible
     assert data_files() == 4
     os.close(fd)
-    _wait(lambda: data_files() == 0, what="space freed at last close")
+    wait_until(lambda: data_files() == 0, what="space freed at last close")
     assert m.status()["unlinked_open"] == []
 
 
@@ -326,7 +315,7 @@ def test_drain_copies_finished_checkpoints_to_backing_dir(ck: Ckpt, mounter: Any
     (ck.mnt / "checkpoint-1").mkdir()
     data = os.urandom(6 * MiB + 5)
     (ck.mnt / "checkpoint-1" / "model.pt").write_bytes(data)
-    st = _wait(lambda: m.status()["drain"]["drained"] and m.status(), what="drain")
+    st = wait_until(lambda: m.status()["drain"]["drained"] and m.status(), what="drain")
     assert list(st["drain"]["drained"]) == ["checkpoint-1/model.pt"]
     m.close()
     assert (ck.back / "checkpoint-1" / "model.pt").read_bytes() == data

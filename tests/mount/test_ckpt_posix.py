@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import wait_until
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(180)]
 
@@ -59,17 +60,6 @@ def shared() -> Iterator[Setup]:
         yield Setup(d)
     finally:
         shutil.rmtree(d, ignore_errors=True)
-
-
-def _wait(pred: Any, timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _kill(m: Any) -> None:
@@ -185,7 +175,7 @@ def test_a_long_name_never_reaches_the_drain(ck: Setup, mounter: Any) -> None:
     m = mounter(ck.args("--drain"), ck.mnt)
     assert _errno(os.open, ck.mnt / ("b" * 300), os.O_CREAT | os.O_WRONLY, 0o644) == errno.ENAMETOOLONG
     (ck.mnt / "ok.pt").write_bytes(b"ok")
-    _wait(lambda: "ok.pt" in m.status()["drain"]["drained"], what="drain")
+    wait_until(lambda: "ok.pt" in m.status()["drain"]["drained"], what="drain")
     assert m.status()["drain"]["errors"] == {}
 
 
@@ -318,7 +308,7 @@ def test_drain_copies_a_file_fsynced_before_its_last_close(ck: Setup, mounter: A
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    _wait(lambda: "fsynced.pt" in m.status()["drain"]["drained"], what="drain of a file fsync'ed before close")
+    wait_until(lambda: "fsynced.pt" in m.status()["drain"]["drained"], what="drain of a file fsync'ed before close")
     assert (ck.back / "fsynced.pt").read_bytes() == data
 
 
@@ -331,7 +321,7 @@ def test_a_file_renamed_while_open_after_fsync_is_complete_after_close_and_sigki
     os.fsync(f.fileno())
     os.rename(ck.mnt / "tmp.pt", ck.mnt / "final.pt")  # still open for writing
     f.close()
-    _wait(lambda: not m.status()["pending_durability"], what="publish after close")
+    wait_until(lambda: not m.status()["pending_durability"], what="publish after close")
     _kill(m)
     mounter(ck.args(), ck.mnt)
     assert (ck.mnt / "final.pt").read_bytes() == data

@@ -5,6 +5,7 @@ generation check, the tree, and the drainer (real files in temporary directories
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -201,6 +202,26 @@ def _striped(roots: list[Path], nid: int, lay: Layout, data: bytes) -> None:
         (r / DATA_DIR / data_name(nid)).write_bytes(p)
 
 
+def _drain(roots: list[Path], back: Path, jobs: list[DrainJob],
+           current: Callable[[DrainJob], bool] = lambda job: True) -> Drainer:
+    """A drainer that ran *jobs* to the end (its stop waits for the queue)."""
+    fd = os.open(back, os.O_RDONLY | os.O_DIRECTORY)
+
+    async def main() -> Drainer:
+        dr = Drainer(roots, fd, current)
+        async with trio.open_nursery() as n:
+            n.start_soon(dr.run)
+            for job in jobs:
+                dr.submit(job)
+            await dr.stop()
+        return dr
+
+    try:
+        return trio.run(main)
+    finally:
+        os.close(fd)
+
+
 def test_drainer_copies_current_jobs_whole_and_skips_stale_ones(tmp_path: Path) -> None:
     roots = device_dirs(tmp_path, 2)
     back = tmp_path / "back"
@@ -209,25 +230,13 @@ def test_drainer_copies_current_jobs_whole_and_skips_stale_ones(tmp_path: Path) 
     data = os.urandom(21 * KiB + 3)
     _striped(roots, 30, lay, data)
     _striped(roots, 31, lay, b"old")
-    fd = os.open(back, os.O_RDONLY | os.O_DIRECTORY)
-    stale = {31}
-
-    async def main() -> None:
-        dr = Drainer(roots, fd, lambda job: job.id not in stale)
-        async with trio.open_nursery() as n:
-            n.start_soon(dr.run)
-            dr.submit(DrainJob(30, 1, "ck/a.pt", len(data), lay))
-            dr.submit(DrainJob(31, 1, "ck/b.pt", 3, lay))  # renamed or changed since: skipped
-            dr.submit(DrainJob(30, 1, "ck/a.pt", len(data), lay))  # closed again unchanged: no copy
-            await dr.stop()
-        st = dr.status()
-        assert list(st["drained"]) == ["ck/a.pt"] and st["bytes"] == len(data) and st["queued"] == 0
-        assert st["errors"] == {}
-
-    try:
-        trio.run(main)
-    finally:
-        os.close(fd)
+    dr = _drain(roots, back, [DrainJob(30, 1, "ck/a.pt", len(data), lay),
+                              DrainJob(31, 1, "ck/b.pt", 3, lay),  # renamed or changed since: skipped
+                              DrainJob(30, 1, "ck/a.pt", len(data), lay)],  # closed again unchanged: no copy
+                current=lambda job: job.id != 31)
+    st = dr.status()
+    assert list(st["drained"]) == ["ck/a.pt"] and st["bytes"] == len(data) and st["queued"] == 0
+    assert st["errors"] == {}
     assert (back / "ck" / "a.pt").read_bytes() == data
     assert sorted(os.listdir(back / "ck")) == ["a.pt"]  # no b.pt, no temporary name left
 
@@ -240,22 +249,8 @@ def test_drain_status_names_only_the_newest_copies_and_forgets_unlinked_files(tm
     lay = Layout(4 * KiB, 1, 0)
     for i in range(8):
         _striped(roots, 50 + i, lay, bytes([i]) * 10)
-    fd = os.open(back, os.O_RDONLY | os.O_DIRECTORY)
-
-    async def main() -> Drainer:
-        dr = Drainer(roots, fd, lambda job: True)
-        async with trio.open_nursery() as n:
-            n.start_soon(dr.run)
-            for i in range(8):
-                dr.submit(DrainJob(50 + i, 1, f"ck-{i}.pt", 10, lay))
-            dr.submit(DrainJob(0, 0, "ck-7.pt", op="unlink"))
-            await dr.stop()
-        return dr
-
-    try:
-        dr = trio.run(main)
-    finally:
-        os.close(fd)
+    dr = _drain(roots, back, [DrainJob(50 + i, 1, f"ck-{i}.pt", 10, lay) for i in range(8)]
+                + [DrainJob(0, 0, "ck-7.pt", op="unlink")])
     st = dr.status()
     assert list(st["drained"]) == ["ck-5.pt", "ck-6.pt", "ck-7.pt"] and st["files"] == 8 and st["bytes"] == 80
     assert dr.is_drained(56, 1, "ck-6.pt") and not dr.is_drained(57, 1, "ck-7.pt")
@@ -269,20 +264,7 @@ def test_a_failed_drain_leaves_no_temporary_file_and_reports_the_error(tmp_path:
     (back / "ck").write_bytes(b"a file where the drain needs a directory")
     lay = Layout(4 * KiB, 1, 0)
     _striped(roots, 40, lay, b"x" * 100)
-    fd = os.open(back, os.O_RDONLY | os.O_DIRECTORY)
-
-    async def main() -> Drainer:
-        dr = Drainer(roots, fd, lambda job: True)
-        async with trio.open_nursery() as n:
-            n.start_soon(dr.run)
-            dr.submit(DrainJob(40, 1, "ck/a.pt", 100, lay))
-            await dr.stop()
-        return dr
-
-    try:
-        dr = trio.run(main)
-    finally:
-        os.close(fd)
+    dr = _drain(roots, back, [DrainJob(40, 1, "ck/a.pt", 100, lay)])
     assert list(dr.status()["errors"]) == ["ck/a.pt"] and dr.status()["drained"] == {}
     assert sorted(os.listdir(back)) == ["ck"]
 
