@@ -59,6 +59,20 @@ def _sha(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
+def _write_random(d: Path, names: list[str], *, fsync: bool = False) -> dict[str, str]:
+    """Write 16 MiB of random bytes to each name under *d* (fsync'ed if asked): name -> sha256."""
+    sums = {}
+    for name in names:
+        p = d / name
+        p.write_bytes(os.urandom(16 * MiB))
+        if fsync:
+            fd = os.open(p, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        sums[name] = _sha(p)
+    return sums
+
+
 def _drain_idle(m: Any) -> dict:
     """Status once the drain queue is empty."""
     out: list[dict] = []
@@ -172,14 +186,7 @@ def test_unlink_and_rotation_delete_backing_files(ck: Setup, mounter: Any) -> No
 
 def test_a_drain_killed_midway_finishes_after_remount_without_a_partial_file(ck: Setup, mounter: Any) -> None:
     m = mounter(ck.args(), ck.mnt)
-    sums = {}
-    for i in range(4):
-        p = ck.mnt / f"step-{i}.pt"
-        p.write_bytes(os.urandom(16 * MiB))
-        fd = os.open(p, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-        sums[p.name] = _sha(p)
+    sums = _write_random(ck.mnt, [f"step-{i}.pt" for i in range(4)], fsync=True)
     m.proc.send_signal(signal.SIGKILL)  # somewhere in the drain of the four files
     m.proc.wait(10)
     subprocess.run(["fusermount3", "-u", "-z", str(ck.mnt)], capture_output=True)
@@ -210,11 +217,7 @@ def test_a_fresh_mount_on_empty_devices_loads_the_drained_checkpoint(ck: Setup, 
 
 def test_unmount_without_waiting_leaves_the_drain_to_the_next_mount(ck: Setup, mounter: Any) -> None:
     m = mounter(ck.args(), ck.mnt)
-    sums = {}
-    for i in range(3):
-        p = ck.mnt / f"ck-{i}.pt"
-        p.write_bytes(os.urandom(16 * MiB))
-        sums[p.name] = _sha(p)
+    sums = _write_random(ck.mnt, [f"ck-{i}.pt" for i in range(3)])
     _unmount(m, "--no-wait-drain")
     _no_leftovers(ck.back)
     m = mounter(ck.args(), ck.mnt)  # same devices: the drain goes on
