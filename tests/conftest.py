@@ -196,9 +196,10 @@ def wait_for(cond: Callable[[], object], timeout: float = 20.0) -> bool:
     return False
 
 
-def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    """Poll *pred* every 20 ms until it returns something true, and return that; AssertionError
-    naming *what* once *timeout* seconds pass."""
+def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition",
+               interval: float = 0.02) -> Any:
+    """Poll *pred* every *interval* seconds until it returns something true, and return that;
+    AssertionError naming *what* once *timeout* seconds pass."""
     deadline = time.monotonic() + timeout
     while True:
         v = pred()
@@ -206,7 +207,7 @@ def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "cond
             return v
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(interval)
 
 
 class Kernel:

@@ -13,12 +13,11 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import HangGuard, make_tree
+from conftest import HangGuard, make_tree, wait_until
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(120),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount for and switch to another user")]
@@ -209,10 +208,7 @@ def test_checkpoint_mount_cannot_write_outside_its_devices_and_backing_dir(tmp_p
             make()
     (mnt / "sub").mkdir()
     (mnt / "sub" / "model.pt").write_bytes(b"x" * 1000)
-    deadline = time.monotonic() + 30
-    while not m.status()["drain"]["drained"]:
-        assert time.monotonic() < deadline, "drain did not finish"
-        time.sleep(0.05)
+    wait_until(lambda: m.status()["drain"]["drained"], what="the drain")
     m.close()
     assert (outside / "victim").read_text() == "keep"
     assert sorted(os.listdir(outside)) == ["victim"]

@@ -7,7 +7,6 @@ import logging
 import socket
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 import trio
+from conftest import wait_until
 
 from fsd.cluster import peer_pb2, peer_pb2_grpc
 from fsd.cluster import stats as st
@@ -181,13 +181,7 @@ def test_down_peer_falls_back_backs_off_and_comes_back() -> None:
         # the peer (re)starts on its address: after the back-off a trial batch goes through
         s = PeerServer(f"127.0.0.1:{port}", SECRET, 0, N, _serve, fingerprint=FP)
         s.start()
-        deadline = time.monotonic() + 60
-        got: dict = {}
-        while time.monotonic() < deadline:
-            got = dict(c.fetch([0, 2]))
-            if got[0] is not None:
-                break
-            time.sleep(0.2)
+        got = wait_until(lambda: (g := dict(c.fetch([0, 2])))[0] is not None and g, 60, "a trial batch", 0.2)
         assert got == {0: DATA[0], 2: DATA[2]} and c.stats.state == st.UP
         assert c.breaker.current_state == "closed"
     finally:
