@@ -141,11 +141,13 @@ class Scheduler:
             plan, tr = cur.plan, cur.tracker
             if dropped:
                 kernel.note_drop()
-            if self.guard.closed or plan is None or tr is None or tr.state != SYNCED or not tr.followed():
-                return []  # no plan, or the readers do not follow it: nothing to fetch ahead
+            if self.guard.closed or plan is None or tr is None or tr.state != SYNCED:
+                return []
             now = self.clock()
             self.retire(max(0, tr.trail - 2 * plan.window))
             kernel.release_ranks(plan, tr)
+            if not tr.followed():
+                return []  # a plan the reads do not follow: nothing fetched or pushed ahead
             est = tr.est_pos(now)
             lead = cur.lead.entries(tr.rate, now)
             cur.lead_target = lead
