@@ -77,8 +77,7 @@ DIVERGED = "diverged"
 DIV_WINDOW = 32
 DIV_THRESHOLD = 12
 RESYNC_MATCHES = 8
-PREDICTED_WINDOW = 256
-PREDICTED_MIN = 0.5
+PROBATION = 2 * DIV_WINDOW  # matched reads a resync must hold for before the next one is trusted at once
 MAX_ANCHORS = 4096  # positions a resync run is tried at: its newest read's file's first accesses
 CONTINUE_S = 0.2  # a read at offset > 0 this soon after the read of the file that it continues is part of it
 CONTINUE_BYTES = 4 << 20  # ... and at most this far past where that one ended (readahead)
@@ -133,7 +132,8 @@ class ProgressTracker:
         self._rate_pos = -1
         self._rate_t = 0.0
         self.recent: deque[bool] = deque(maxlen=DIV_WINDOW)
-        self._predicted: deque[bool] = deque(maxlen=PREDICTED_WINDOW)  # new planned reads: predicted
+        self._since_sync = PROBATION  # new reads matched since the last resync (none yet: trusted)
+        self._shaky = False  # the last resync diverged again within PROBATION reads: the next is on probation
         self.matched = 0
         self.mismatched = 0
         self.foreign = 0
@@ -303,17 +303,17 @@ class ProgressTracker:
         returns its stream position or None. ``last_new`` says whether it was a new read or lookup (not
         a later part of a read of the file), ``last_predicted`` whether the plan explained it near a front."""
         q = self._observe(fid, now, max_jump, off, size)
-        if self.last_new and self.index.count(fid):
-            self._predicted.append(self.last_predicted)
+        if q is not None and self.last_new:
+            self._since_sync += 1
         return q
 
     def followed(self) -> bool:
-        """Whether the plan predicts the readers' files at all: at least ``PREDICTED_MIN`` of the last
-        ``PREDICTED_WINDOW`` planned reads (once ``DIV_WINDOW`` arrived). A wrong plan is matched by
-        chance now and then, on a small dataset often: divergence and resync alone would prefetch
-        after every chance resync and release it at the next divergence."""
-        n = len(self._predicted)
-        return n < DIV_WINDOW or sum(self._predicted) >= PREDICTED_MIN * n
+        """Whether the plan is trusted (the cache fetches ahead only then): synced, and if the resync
+        before the last one diverged again within ``PROBATION`` matched reads, that many matched since
+        the last. A wrong plan is resynced by chance now and then (on a small dataset every few
+        reads) and diverges again soon; fetching ahead after each such resync fetched what the next
+        divergence released. A right plan's rare divergence costs nothing: its resync holds."""
+        return self.state == SYNCED and (not self._shaky or self._since_sync >= PROBATION)
 
     def _observe(self, fid: int, now: float, max_jump: int, off: int | None, size: int) -> int | None:
         self.last_new, self.last_predicted = True, False
@@ -347,6 +347,7 @@ class ProgressTracker:
         if self.recent.count(False) >= DIV_THRESHOLD:
             self.state = DIVERGED
             self.divergences += 1
+            self._shaky = self._since_sync < PROBATION
             self._div_reads.clear()
             self._unexplained = None
             self._explained = 0
@@ -455,8 +456,9 @@ class ProgressTracker:
         return cur if cur >= 0 else None
 
     def _synced(self, now: float) -> None:
-        """Back to ``synced`` with the current fronts."""
+        """Back to ``synced`` with the current fronts, on probation (:meth:`followed`)."""
         self.state = SYNCED
+        self._since_sync = 0
         self.resyncs += 1
         self.recent.clear()
         self.front = max(self.fronts)
@@ -476,6 +478,6 @@ class ProgressTracker:
             "foreign": self.foreign,
             "divergences": self.divergences,
             "resyncs": self.resyncs,
-            "predicted": round(sum(self._predicted) / len(self._predicted), 3) if self._predicted else None,
+            "trusted": self.followed(),
         }
 

@@ -20,7 +20,7 @@ from fsd.data.cache import DatasetCache
 from fsd.data.kernel_tier import KernelTier
 from fsd.data.memory import DropWatch
 from fsd.data.prefetcher import Task
-from fsd.data.progress import SYNCED
+from fsd.data.progress import DIVERGED, SYNCED
 from fsd.data.push_window import PushWindow
 from fsd.data.tiers import SsdEntry, SsdTier
 from fsd.plan.access_stream import NodeStream
@@ -330,21 +330,28 @@ def test_the_head_passes_accesses_their_rank_has_read_past(ds: Dataset) -> None:
 
 @pytest.mark.parametrize("right", [True, False], ids=["right-plan", "wrong-plan"])
 def test_nothing_is_fetched_ahead_for_a_plan_the_reads_do_not_follow(ds: Dataset, right: bool) -> None:
-    """A wrong plan is resynced by chance now and then; even then the coordinator fetches nothing
-    ahead (each such resync used to fetch what the next divergence released). The right plan is."""
+    """A wrong plan is resynced by chance now and then; until it has matched a few dozen reads since,
+    the coordinator fetches nothing ahead (each such resync used to fetch what the next divergence
+    released). The right plan is fetched ahead."""
     n = len(ds.paths)
     cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=2)
     stream = epochs_stream(n, 2, seed=12, window=4)
     cache.set_plan(stream)
-    reads = stream.file_ids[:100] if right else np.random.default_rng(99).permutation(n)[:100]
+    wrong = np.random.default_rng(99).permutation(n).tolist()
     try:
         tr = cache.cursor.tracker
         assert tr is not None
         with cache.guard:
-            for i, f in enumerate(reads.tolist()):
+            for i, f in enumerate(stream.file_ids[:100].tolist() if right else wrong[:100]):
                 cache.scheduler.observe(f, i * 1e-3)
-            assert tr.followed() == right
-            tr.state = SYNCED  # what a chance resync leaves
+            if not right:
+                assert tr.state == DIVERGED
+                tr._synced(0.1)  # a resync by chance, trusted at once (a right plan's would hold) ...
+                for i, f in enumerate(wrong[100:200]):
+                    cache.scheduler.observe(f, 0.1 + i * 1e-3)
+                assert tr.state == DIVERGED  # ... that did not hold
+                tr._synced(0.3)  # the next one is on probation
+            assert tr.state == SYNCED and tr.followed() == right
         assert bool(cache.scheduler.schedule()) == right
     finally:
         cache.close()

@@ -652,10 +652,11 @@ def _drifting_ranks(plan_seed: int, job_seed: int, trial: int) -> list[bool]:
 @pytest.mark.parametrize("trial", range(4))
 def test_a_wrong_plan_is_known_for_wrong_although_chance_resyncs_it(trial: int) -> None:
     """Seed 42 in the plan, 0 in the job: divergence and resync take turns (a small dataset fits a wrong
-    plan by chance), but ``followed()`` (which stops fetching ahead) is false from the first reads on;
-    the right plan is followed throughout although the ranks drift apart."""
+    plan by chance), but after the first resync that does not hold, ``followed()`` (without which
+    nothing is fetched ahead) is false until one holds; the right plan is followed throughout
+    although the ranks drift apart."""
     wrong = _drifting_ranks(42, 0, trial)
-    assert not any(wrong[64:])
+    assert sum(wrong[64:]) <= 0.02 * len(wrong[64:])
     assert all(_drifting_ranks(0, 0, trial))
 
 
