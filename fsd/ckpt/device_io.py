@@ -77,6 +77,19 @@ class FlushJob:
     blocks: int = -1  # st_blocks of the data file after the write (-1: unknown)
 
 
+META_RESERVE = 1 << 20
+"""Bytes a data write leaves free on its device: the manifests written at mkdir, rename or
+fsync (a few kB each) must find room when data fills the device, or they fail with ENOSPC
+while the flush that filled it would have waited for eviction or the drain."""
+
+
+def _check_room(fd: int, nbytes: int) -> None:
+    """ENOSPC unless the device of *fd* keeps ``META_RESERVE`` free after *nbytes* more."""
+    st = os.fstatvfs(fd)
+    if st.f_bavail * st.f_frsize < nbytes + META_RESERVE:
+        raise OSError(errno.ENOSPC, "device full (its last MiB is kept for manifests)")
+
+
 def _pwritev_all(fd: int, views: list[memoryview], off: int) -> None:
     """pwritev until everything is written; a short write is retried so that the
     device's real error (ENOSPC, EIO) surfaces instead of a generic one."""
@@ -237,6 +250,7 @@ class DeviceIO:
                 self._active += 1
             try:
                 fd = self.wfd(job.file_id)
+                _check_room(fd, job.nbytes)
                 _pwritev_all(fd, job.views, job.local_off)
                 job.blocks = os.fstat(fd).st_blocks
             except OSError as e:
