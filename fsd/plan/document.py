@@ -26,10 +26,12 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 MAX_PLAN_BYTES = 1 << 20
 """Control writes larger than this are refused before parsing."""
@@ -305,17 +307,23 @@ def _parse(data: bytes) -> Plan:
     )
 
 
-def parse_plan(data: bytes) -> Plan:
-    """Parse and validate a control-file write. Raises only :class:`PlanError`."""
+def only_plan_errors(parse: Callable[[], _T], what: str) -> _T:
+    """``parse()``, whose every failure becomes a :class:`PlanError` (defence in depth: a control
+    write gets a clear error, never a crash of the mount), *what* naming the document in the log."""
     try:
-        plan = _parse(data)
+        return parse()
     except PlanError:
         raise
     except (RecursionError, MemoryError):
         raise PlanError("plan: JSON too large or nested too deeply") from None
-    except Exception as e:  # defence in depth: the contract is "PlanError or a Plan"
-        log.exception("unexpected error while parsing a plan")
+    except Exception as e:
+        log.exception("unexpected error while parsing %s", what)
         raise PlanError(f"plan: could not be parsed ({type(e).__name__})") from None
+
+
+def parse_plan(data: bytes) -> Plan:
+    """Parse and validate a control-file write. Raises only :class:`PlanError`."""
+    plan = only_plan_errors(lambda: _parse(data), "a plan")
     log.debug("parsed plan %s", plan)
     return plan
 

@@ -38,7 +38,6 @@ Loader keys (default in parentheses):
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -60,10 +59,10 @@ from fsd.plan.document import (
     order_of,
     _int,
     check_relative_path,
+    only_plan_errors,
     parse_plan,
 )
 
-log = logging.getLogger(__name__)
 
 MAX_LOADERS = 64
 MAX_NAME_CHARS = 64
@@ -381,18 +380,13 @@ def _parse_job(d: dict[str, Any]) -> JobPlan:
 
 def parse_job(data: bytes) -> JobPlan:
     """Parse a control document, single-loader or job. Raises only :class:`PlanError`."""
-    try:
+    def parse() -> JobPlan:
         d = _decode(data)
         if not isinstance(d, dict) or "loaders" not in d:
             return from_single(parse_plan(data))
         return _parse_job(d)
-    except PlanError:
-        raise
-    except (RecursionError, MemoryError):
-        raise PlanError("plan: JSON too large or nested too deeply") from None
-    except Exception as e:  # defence in depth: the contract is "PlanError or a JobPlan"
-        log.exception("unexpected error while parsing a job plan")
-        raise PlanError(f"plan: could not be parsed ({type(e).__name__})") from None
+
+    return only_plan_errors(parse, "a job plan")
 
 
 __all__ = ["JOB_KEYS", "LOADER_KEYS", "JobPlan", "Loader", "from_single", "parse_job"]
