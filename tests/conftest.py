@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import os
 import subprocess
@@ -194,6 +196,17 @@ def wait_for(cond: Callable[[], object], timeout: float = 20.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def load_tool(name: str) -> Any:
+    """``tools/<name>`` (a script without a .py suffix) imported as a module."""
+    module = name.replace("-", "_")
+    loader = importlib.machinery.SourceFileLoader(module, str(REPO / "tools" / name))
+    spec = importlib.util.spec_from_loader(module, loader)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
 
 
 def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition",

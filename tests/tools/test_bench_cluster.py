@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 import math
 import os
@@ -13,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -27,12 +26,7 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces, loop devic
 def _bench_cluster(monkeypatch: pytest.MonkeyPatch) -> Any:
     """tools/bench-cluster as a module (it has no .py suffix)."""
     monkeypatch.setenv("FSD_BENCH_NO_REEXEC", "1")  # no exec into the venv: this is an import
-    loader = importlib.machinery.SourceFileLoader("bench_cluster", str(REPO / "tools/bench-cluster"))
-    spec = importlib.util.spec_from_loader("bench_cluster", loader)
-    assert spec is not None
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
+    return load_tool("bench-cluster")
 
 
 def _netns() -> set[str]:

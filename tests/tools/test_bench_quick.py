@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_for
+from conftest import load_tool, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -150,16 +150,8 @@ def test_bench_data_small(tmp_path: Path) -> None:
 
 def _bench_data_module(monkeypatch: pytest.MonkeyPatch) -> Any:
     """tools/bench-data as a module (it has no .py suffix)."""
-    import importlib.machinery
-    import importlib.util
-
     monkeypatch.setenv("FSD_BENCH_NO_REEXEC", "1")  # no exec into the venv: this is an import
-    loader = importlib.machinery.SourceFileLoader("bench_data", str(REPO / "tools/bench-data"))
-    spec = importlib.util.spec_from_loader("bench_data", loader)
-    assert spec is not None
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
+    return load_tool("bench-data")
 
 
 def test_bench_data_bound_is_the_pfs_time_from_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,7 +234,7 @@ def test_thread_cpu_sampler_splits_a_process_cpu_by_thread_name() -> None:
     The thread burns a fixed amount of its own CPU time (not a fixed wall time: on a busy machine
     0.6 s of wall time gave it 0.18 s of CPU), then idles alive while the window is closed at a
     sample taken after the burn (an ended thread's share is lost)."""
-    from conftest import wait_for
+    from conftest import load_tool, wait_for
 
     from fsd.threads import name_os_thread
 

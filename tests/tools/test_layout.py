@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from importlib.machinery import SourceFileLoader
-from importlib.util import module_from_spec, spec_from_loader
 from pathlib import Path
 
-from conftest import REPO
+from conftest import REPO, load_tool
 
-_loader = SourceFileLoader("import_graph", str(REPO / "tools" / "import-graph"))
-_spec = spec_from_loader("import_graph", _loader)
-assert _spec is not None
-ig = module_from_spec(_spec)
-_loader.exec_module(ig)
+ig = load_tool("import-graph")
 
 
 def test_fsd_has_no_import_circle_and_no_module_over_600_lines() -> None:
