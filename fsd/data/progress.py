@@ -456,7 +456,8 @@ class ProgressTracker:
         return cur if cur >= 0 else None
 
     def _synced(self, now: float) -> None:
-        """Back to ``synced`` with the current fronts, on probation (:meth:`followed`)."""
+        """Back to ``synced`` with the current fronts; the count of reads this resync holds for restarts
+        (:meth:`followed`: on probation if the one before did not hold)."""
         self.state = SYNCED
         self._since_sync = 0
         self.resyncs += 1
