@@ -13,7 +13,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,6 +106,76 @@ def _pwritev_all(fd: int, views: list[memoryview], off: int) -> None:
             views = [views[0][n:], *views[1:]]
 
 
+@dataclass
+class _Fd:
+    fd: int
+    users: int = 0  # threads using it now
+    closing: bool = False  # closed by its owner: the last user closes it
+
+
+class FdCache:
+    """Open fds of one device's data files, shared by the threads that write, sync and read them.
+
+    The one owner of their lifetime: an fd is closed only when no thread uses it. Closing one that
+    a flush, sync or read is using would fail that I/O with EBADF or, once the number is reused
+    by another open, send it to another file. :meth:`close` therefore forgets the fd at once (the
+    next user opens a new one) and leaves the close to its last user.
+    """
+
+    def __init__(self, opener: Callable[[int], int]) -> None:
+        self._opener = opener
+        self._lock = threading.Lock()
+        self._open: dict[int, _Fd] = {}
+
+    @contextmanager
+    def use(self, file_id: int, *, open_missing: bool = True) -> Iterator[int | None]:
+        """The fd of *file_id*, kept open while the block runs (blocking: may open it). None when
+        it is not cached and not *open_missing*, or when the data file does not exist."""
+        with self._lock:
+            e = self._open.get(file_id)
+            if e is None and open_missing:
+                try:
+                    e = self._open[file_id] = _Fd(self._opener(file_id))
+                except FileNotFoundError:
+                    e = None
+            if e is not None:
+                e.users += 1
+        if e is None:
+            yield None
+            return
+        try:
+            yield e.fd
+        finally:
+            with self._lock:
+                e.users -= 1
+                if e.closing and e.users == 0:
+                    os.close(e.fd)
+
+    def close(self, file_id: int) -> None:
+        """Forget *file_id*'s fd; it is closed now, or by its last user (cheap: loop-safe)."""
+        with self._lock:
+            e = self._open.pop(file_id, None)
+            if e is not None:
+                self._release(e)
+
+    def close_all(self) -> None:
+        """Forget every fd, as :meth:`close`."""
+        with self._lock:
+            for e in self._open.values():
+                self._release(e)
+            self._open.clear()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    @staticmethod
+    def _release(e: _Fd) -> None:
+        if e.users:
+            e.closing = True
+        else:
+            os.close(e.fd)
+
+
 class DeviceIO:
     """One device: data directory, fd cache and flusher threads (blocking side)."""
 
@@ -114,9 +185,9 @@ class DeviceIO:
         self.data_dir = root / DATA_DIR
         self.queue: queue.Queue[tuple[FlushJob, Callable[[FlushJob, BaseException | None], None]] | None] = queue.Queue()
         self.threads = threads
-        self._wfds: dict[int, int] = {}
-        self._rfds: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self.writers = FdCache(self._open_write)  # O_DIRECT (where supported), created on demand
+        self.readers = FdCache(self._open_read)  # buffered
+        self._lock = threading.Lock()  # the busy-time counters
         self.direct = True
         self.bytes_written = 0
         self.busy_s = 0.0  # wall time with at least one write in flight
@@ -128,80 +199,72 @@ class DeviceIO:
         self._workers: list[threading.Thread] = []
 
     # -- fds -------------------------------------------------------------------------
-    def wfd(self, file_id: int) -> int:
-        """O_DIRECT write fd of *file_id*'s data file on this device (created on demand)."""
-        with self._lock:
-            fd = self._wfds.get(file_id)
-            if fd is not None:
-                return fd
-            path = self.data_dir / data_name(file_id)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
-            try:
-                fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
-            except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct:
-                    raise
-                log.warning("device %s does not support O_DIRECT; using buffered writes", self.root)
-                self.direct = False
-                fd = os.open(path, flags, 0o644)
-            self._wfds[file_id] = fd
-            return fd
+    def _path(self, file_id: int) -> Path:
+        return self.data_dir / data_name(file_id)
 
-    def rfd(self, file_id: int) -> int | None:
-        """Buffered read fd of *file_id*'s data file, or None if it has none here."""
-        with self._lock:
-            fd = self._rfds.get(file_id)
-            if fd is not None:
-                return fd
-            try:
-                fd = os.open(self.data_dir / data_name(file_id), os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                return None
-            self._rfds[file_id] = fd
-            return fd
+    def _open_write(self, file_id: int) -> int:
+        """Blocking: an O_DIRECT write fd of *file_id*'s data file (created if missing)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
+        try:
+            return os.open(self._path(file_id), flags | (os.O_DIRECT if self.direct else 0), 0o644)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not self.direct:
+                raise
+            log.warning("device %s does not support O_DIRECT; using buffered writes", self.root)
+            self.direct = False
+            return os.open(self._path(file_id), flags, 0o644)
+
+    def _open_read(self, file_id: int) -> int:
+        """Blocking: a buffered read fd of *file_id*'s data file (FileNotFoundError if none)."""
+        return os.open(self._path(file_id), os.O_RDONLY | os.O_CLOEXEC)
 
     def close_fds(self, file_id: int, *, reads: bool = True) -> None:
-        """Close cached fds of *file_id* (read fds only when no read can be in flight)."""
-        with self._lock:
-            for d in (self._wfds, self._rfds) if reads else (self._wfds,):
-                fd = d.pop(file_id, None)
-                if fd is not None:
-                    os.close(fd)
+        """Forget cached fds of *file_id* (its read fds too unless not *reads*: a restore may go
+        on reading); any fd still in use is closed by its last user."""
+        self.writers.close(file_id)
+        if reads:
+            self.readers.close(file_id)
 
     def close_all(self) -> None:
-        """Close every cached fd."""
-        with self._lock:
-            for d in (self._wfds, self._rfds):
-                for fd in d.values():
-                    os.close(fd)
-                d.clear()
+        """Forget every cached fd."""
+        self.writers.close_all()
+        self.readers.close_all()
 
     # -- blocking operations -----------------------------------------------------------
     def pread_into(self, file_id: int, local_off: int, view: memoryview) -> None:
         """Fill *view* from the data file at *local_off*; missing bytes read as zero."""
-        fd = self.rfd(file_id)
         n = 0
-        if fd is not None:
-            while n < len(view):
-                got = os.preadv(fd, [view[n:]], local_off + n)
-                if got == 0:
-                    break
-                n += got
+        with self.readers.use(file_id) as fd:
+            if fd is not None:
+                while n < len(view):
+                    got = os.preadv(fd, [view[n:]], local_off + n)
+                    if got == 0:
+                        break
+                    n += got
         if n < len(view):
             view[n:] = bytes(len(view) - n)
 
     def fdatasync(self, file_id: int) -> None:
-        """Make *file_id*'s data on this device durable (no-op if nothing was written here)."""
-        with self._lock:
-            fd = self._wfds.get(file_id)
-        if fd is not None:
+        """Make *file_id*'s data on this device durable, whichever fd wrote it (a write fd forgotten
+        while a flush still used it leaves no cached fd); no-op if this device has no data file."""
+        with self.writers.use(file_id, open_missing=False) as fd:
+            if fd is not None:
+                os.fdatasync(fd)
+                return
+        try:
+            fd = os.open(self._path(file_id), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
             os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
     def truncate(self, file_id: int, length: int) -> int:
         """Cut *file_id*'s data file on this device to *length* bytes (if it exists); returns
         the 512-byte blocks it then takes."""
         try:
-            os.truncate(self.data_dir / data_name(file_id), length)
+            os.truncate(self._path(file_id), length)
         except FileNotFoundError:
             return 0
         return self.blocks(file_id)
@@ -209,7 +272,7 @@ class DeviceIO:
     def blocks(self, file_id: int) -> int:
         """512-byte blocks taken by *file_id*'s data file on this device (0 if it has none)."""
         try:
-            return os.stat(self.data_dir / data_name(file_id)).st_blocks
+            return os.stat(self._path(file_id)).st_blocks
         except FileNotFoundError:
             return 0
 
@@ -217,7 +280,7 @@ class DeviceIO:
         """Remove *file_id*'s data file on this device."""
         self.close_fds(file_id)
         try:
-            os.unlink(self.data_dir / data_name(file_id))
+            os.unlink(self._path(file_id))
         except FileNotFoundError:
             pass
 
@@ -249,10 +312,11 @@ class DeviceIO:
                     self._busy_since = time.perf_counter()
                 self._active += 1
             try:
-                fd = self.wfd(job.file_id)
-                _check_room(fd, job.nbytes)
-                _pwritev_all(fd, job.views, job.local_off)
-                job.blocks = os.fstat(fd).st_blocks
+                with self.writers.use(job.file_id) as fd:
+                    assert fd is not None
+                    _check_room(fd, job.nbytes)
+                    _pwritev_all(fd, job.views, job.local_off)
+                    job.blocks = os.fstat(fd).st_blocks
             except OSError as e:
                 err = e
             except BaseException as e:  # a bug: report as EIO, keep the worker alive

@@ -30,6 +30,8 @@ class FileState:
     error: int | None = None
     error_device: int | None = None
     unsynced: set[int] = field(default_factory=set)  # devices written since last fdatasync
+    # one sync at a time: a second must not return while the first's fdatasync still runs
+    sync_lock: trio.Lock = field(default_factory=trio.Lock)
     loading: dict[int, trio.Event] = field(default_factory=dict)
     changed: trio.Event = field(default_factory=trio.Event)
     on_device: bool = False  # some bytes have reached a device data file

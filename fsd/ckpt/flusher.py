@@ -213,28 +213,33 @@ class Flusher:
         f.check()
 
     async def sync(self, f: FileState) -> None:
-        """Make *f*'s data durable on every device it touched (fsync semantics)."""
-        force = f.force
-        f.force = True
-        try:
-            await self.drain_file(f)
-        finally:
-            f.force = force
-        devs = sorted(f.unsynced)
-        f.unsynced.clear()
-        if not devs:
-            return
-        try:
-            async with trio.open_nursery() as n:
-                for d in devs:
-                    n.start_soon(self._in_thread, self.devices[d].fdatasync, f.id)
-        except BaseExceptionGroup as eg:
-            f.unsynced.update(devs)
-            err = next(iter(_flatten(eg)))
-            if isinstance(err, OSError):
-                f.error = err.errno or errno.EIO
-                raise err
-            raise
+        """Make *f*'s data durable on every device it touched (fsync semantics).
+
+        Syncs of one file run one at a time: a second sync (another handle's fsync, a close's
+        finish) that found nothing unsynced while the first's fdatasync ran would otherwise report
+        data durable before it is."""
+        async with f.sync_lock:
+            force = f.force
+            f.force = True
+            try:
+                await self.drain_file(f)
+            finally:
+                f.force = force
+            devs = sorted(f.unsynced)
+            f.unsynced.clear()
+            if not devs:
+                return
+            try:
+                async with trio.open_nursery() as n:
+                    for d in devs:
+                        n.start_soon(self._in_thread, self.devices[d].fdatasync, f.id)
+            except BaseExceptionGroup as eg:
+                f.unsynced.update(devs)
+                err = next(iter(_flatten(eg)))
+                if isinstance(err, OSError):
+                    f.error = err.errno or errno.EIO
+                    raise err
+                raise
 
     def set_force(self, f: FileState) -> None:
         """The file was closed: flush everything of it now, partial stripes included."""
