@@ -49,10 +49,10 @@ class ReadAhead:
             return None
         await self.serve(f, off, end, None, [])
         data = f.ra.get(off // s_size)
-        if data is None or f.chunks:
+        rel = off - (off // s_size) * s_size
+        if data is None or f.chunks or len(data) < rel + end - off:  # short: the file changed meanwhile
             return None
         f.read_end = end
-        rel = off - (off // s_size) * s_size
         mv = memoryview(data)[rel:rel + end - off]
         if end >= f.size:
             f.ra.clear()
@@ -85,12 +85,15 @@ class ReadAhead:
                 s = pos // s_size
                 n = min(stop, (s + 1) * s_size) - pos
                 data = f.ra.get(s)
-                if data is None or view is None:
-                    left.append((pos, n))
-                else:
-                    rel = pos - s * s_size
+                rel = pos - s * s_size
+                # a stripe holds the file's bytes up to its size when it loaded: a read whose end
+                # was taken before a shrink may ask past it, and gets the rest from the devices
+                k = 0 if data is None or view is None else max(0, min(n, len(data) - rel))
+                if k:
                     with memoryview(data) as dv:
-                        view[pos - off:pos - off + n] = dv[rel:rel + n]
+                        view[pos - off:pos - off + k] = dv[rel:rel + k]
+                if k < n:
+                    left.append((pos + k, n - k))
                 pos += n
         if end >= f.size and view is not None:  # the reader reached EOF: let the stripes go
             f.ra.clear()

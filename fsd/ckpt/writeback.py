@@ -215,6 +215,9 @@ class WriteBack:
         mv = await self.readahead.stripe_view(f, off, end)
         if mv is not None:
             return mv
+        end = min(off + size, f.size)  # the file may have changed while the read-ahead waited
+        if off >= end:
+            return b""
         out = bytearray(end - off)
         view = memoryview(out)
         missing: list[tuple[int, int]] = []  # (file_off, length) not in RAM
