@@ -1,11 +1,12 @@
 """The backing directory's writer: finished checkpoints copied there, and the view's changes of
-backing files (unlink, rename, rmdir, chmod/utime) applied there, in one ordered queue.
+backing files (unlink, rename, rmdir, chmod/chown/utime) applied there, in one ordered queue.
 
 A file is *finished* when it is closed and its complete manifest is durable. The drainer copies
-it, stripe by stripe straight from the devices (its own fds, worker thread), to the same relative
-path under the backing directory fd: ``<name>.fsd-drain.tmp``, fsync, then its mode and times,
-rename over the name, fsync the directory: the backing directory never holds a half-written file
-under a real name, and an older backing file is replaced only once the new one is durable there.
+it, its data only (holes stay holes), straight from the devices (its own fds, worker thread), to
+the same relative path under the backing directory fd: ``<name>.fsd-drain.tmp``, fsync, then its
+owner, mode and times, rename over the name, fsync the directory: the backing directory never holds a
+half-written file under a real name, and an older backing file is replaced only once the new one is
+durable there.
 A copy whose backing file already has the size and mtime is skipped (drained by an earlier mount).
 If the file changes, is renamed or unlinked before its turn, the job is skipped (it is submitted
 again when finished again, under its new name). One job at a time: draining must not steal flush
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import heapq
 import logging
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +31,9 @@ from typing import Any
 
 import trio
 
+from fsd.ckpt import pending
 from fsd.ckpt.manifest import DATA_DIR, data_name
-from fsd.ckpt.striping import Layout
+from fsd.ckpt.striping import Layout, merge_ranges
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +45,9 @@ TMP_SUFFIX = ".fsd-drain.tmp"
 class DrainJob:
     """One change for the backing directory, with what the drainer needs taken at submit time.
 
-    *op* ``copy``: file *id* (version, size, layout, mode, times) to *rel*; ``unlink``/``rmdir``:
-    remove *rel*; ``rename``: *rel* to *dst*; ``meta``: set *mode* and times of *rel*."""
+    *op* ``copy``: file *id* (version, size, layout, owner, mode, times) to *rel*;
+    ``unlink``/``rmdir``: remove *rel*; ``rename``: *rel* to *dst*; ``meta``: set the owner, *mode*
+    and times of *rel*."""
 
     id: int
     version: int
@@ -55,6 +59,9 @@ class DrainJob:
     mode: int = 0o644
     mtime_ns: int = 0
     atime_ns: int = 0
+    uid: int = -1  # -1: left as it is
+    gid: int = -1
+    pending: int = 0  # seq of its record on the devices (fsd.ckpt.pending), forgotten once applied
 
 
 class Aborted(Exception):
@@ -90,51 +97,115 @@ def is_drained(backing_fd: int, rel: str, size: int, mtime_ns: int) -> bool:
     return st.st_size == size and st.st_mtime_ns == mtime_ns
 
 
+def _data_segments(fd: int, end: int) -> list[tuple[int, int]]:
+    """Blocking: data ranges ``(offset, length)`` of *fd* below *end*, holes skipped (SEEK_DATA and
+    SEEK_HOLE: one pair per data segment); all of it below *end* if the filesystem cannot tell."""
+    out: list[tuple[int, int]] = []
+    off = 0
+    while off < end:
+        try:
+            lo = os.lseek(fd, off, os.SEEK_DATA)
+            hi = min(os.lseek(fd, lo, os.SEEK_HOLE), end)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # no data at or after off
+                break
+            if e.errno in (errno.EINVAL, errno.EOPNOTSUPP) and off == 0:
+                return [(0, min(os.fstat(fd).st_size, end))]
+            raise
+        if lo >= end:
+            break
+        out.append((lo, hi - lo))
+        off = hi
+    return out
+
+
+def _open_data(root: Path, file_id: int) -> int | None:
+    """Blocking: read fd of *file_id*'s data file on device *root*, or None if it has none there
+    (the file never touched that device: all holes). A missing data directory is an error: a device
+    that is not there must not drain as zeros."""
+    dfd = os.open(root / DATA_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return os.open(data_name(file_id), os.O_RDONLY | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(dfd)
+
+
+def _copy_blocks(fds: list[int | None], layout: Layout, size: int) -> Iterator[tuple[int, int]]:
+    """Blocking: file ranges ``(offset, length)`` to copy, in file order, at most COPY_BLOCK each:
+    the devices' data segments mapped to the file, joined, cut at *size*. Holes are left out; the
+    work grows with the data, not with the apparent size."""
+    lengths = layout.local_lengths(size)
+
+    def ranges_of(d: int, fd: int) -> Iterator[tuple[int, int]]:
+        """Device *d*'s data as file ranges, in file order (its local order is its file order)."""
+        for lo, n in _data_segments(fd, lengths[d]):
+            yield from layout.file_ranges(d, lo, n)
+
+    ranges = heapq.merge(*(ranges_of(d, fd) for d, fd in enumerate(fds) if fd is not None))
+    for off, n in merge_ranges(ranges):
+        end = min(off + n, size)
+        while off < end:
+            m = min(COPY_BLOCK, end - off)
+            yield off, m
+            off += m
+
+
 def copy_out(device_roots: list[Path], job: DrainJob, backing_fd: int,
              stop: threading.Event | None = None, progress: Callable[[int], None] | None = None) -> None:
-    """Blocking: copy a finished file's stripes to ``job.rel`` under *backing_fd*."""
+    """Blocking: copy a finished file's data to ``job.rel`` under *backing_fd*, its holes kept as
+    holes (only the devices' data segments are read and written; ftruncate gives the size)."""
     assert job.layout is not None
-    devs = [d / DATA_DIR / data_name(job.id) for d in device_roots]
-    fds: dict[int, int] = {}
+    layout = job.layout
+    fds: list[int | None] = []
     pfd, base = _open_parent(backing_fd, job.rel)
     tmp = base + TMP_SUFFIX
     bufs = [bytearray(COPY_BLOCK), bytearray(COPY_BLOCK)]
 
-    def fill(i: int, off: int) -> int:
-        """Read file bytes [off, off+COPY_BLOCK) into buffer *i*; returns how many."""
-        n = min(COPY_BLOCK, job.size - off)
+    def fill(i: int, off: int, n: int) -> None:
+        """Read file bytes [off, off+n) into buffer *i* (what a device file lacks reads as zero)."""
         view = memoryview(bufs[i])
-        assert job.layout is not None
-        for ext in job.layout.extents(off, n):
-            if ext.device not in fds:
-                fds[ext.device] = os.open(devs[ext.device], os.O_RDONLY | os.O_CLOEXEC)
+        for ext in layout.extents(off, n):
+            fd = fds[ext.device]
             rel_off = ext.file_off - off
-            got = os.preadv(fds[ext.device], [view[rel_off:rel_off + ext.length]], ext.local_off)
-            if got < ext.length:  # a hole at the end of a device file reads as zero
+            got = 0
+            while fd is not None and got < ext.length:
+                r = os.preadv(fd, [view[rel_off + got:rel_off + ext.length]], ext.local_off + got)
+                if r == 0:
+                    break
+                got += r
+            if got < ext.length:
                 view[rel_off + got:rel_off + ext.length] = bytes(ext.length - got)
-        return n
 
     try:
+        for root in device_roots:  # all opened before the copy: one unlinked meanwhile still reads
+            fds.append(_open_data(root, job.id))
         out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600, dir_fd=pfd)
         # the next block is read from the devices while this one is written to the backing store
         with ThreadPoolExecutor(1, thread_name_prefix="fsd-drain-read") as pool:
             try:
-                off, i = 0, 0
-                nxt = pool.submit(fill, 0, 0) if job.size else None
-                while nxt is not None:
+                os.ftruncate(out, job.size)
+                blocks = _copy_blocks(fds, layout, job.size)
+                cur = next(blocks, None)
+                i = 0
+                nxt = pool.submit(fill, i, *cur) if cur is not None else None
+                while nxt is not None and cur is not None:
                     if stop is not None and stop.is_set():
                         raise Aborted(job.rel)
-                    n = nxt.result()
-                    nxt = pool.submit(fill, 1 - i, off + n) if off + n < job.size else None
+                    nxt.result()
+                    off, n = cur
+                    cur = next(blocks, None)
+                    nxt = pool.submit(fill, 1 - i, *cur) if cur is not None else None
                     with memoryview(bufs[i]) as view:
-                        _write_all(out, view[:n])
+                        _pwrite_all(out, view[:n], off)
                     # start its write-back now: the store writes while the next block is read,
                     # instead of all of it at the fsync
                     _start_writeback(out, off, n)
-                    off += n
                     i = 1 - i
                     if progress is not None:
                         progress(n)
+                os.fchown(out, job.uid, job.gid)  # before the mode: a chown clears set-id bits
                 os.fchmod(out, job.mode & 0o7777)
                 os.utime(out, ns=(job.atime_ns or job.mtime_ns, job.mtime_ns))
                 os.fsync(out)
@@ -149,8 +220,9 @@ def copy_out(device_roots: list[Path], job: DrainJob, backing_fd: int,
             pass
         raise
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
         os.close(pfd)
 
 
@@ -164,10 +236,11 @@ def _start_writeback(fd: int, off: int, n: int) -> None:
     _libc.sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)  # a failure only loses the overlap
 
 
-def _write_all(fd: int, view: memoryview) -> None:
-    """os.write until all of *view* is written."""
+def _pwrite_all(fd: int, view: memoryview, off: int) -> None:
+    """os.pwrite until all of *view* is written at *off*."""
     while view:
-        view = view[os.write(fd, view):]
+        n = os.pwrite(fd, view, off)
+        view, off = view[n:], off + n
 
 
 def apply_change(job: DrainJob, backing_fd: int) -> None:
@@ -182,6 +255,7 @@ def apply_change(job: DrainJob, backing_fd: int) -> None:
         elif job.op == "rmdir":
             os.rmdir(base, dir_fd=pfd)
         elif job.op == "meta":
+            os.chown(base, job.uid, job.gid, dir_fd=pfd, follow_symlinks=False)
             os.chmod(base, job.mode & 0o7777, dir_fd=pfd, follow_symlinks=False)
             os.utime(base, ns=(job.atime_ns, job.mtime_ns), dir_fd=pfd, follow_symlinks=False)
         elif job.op == "rename":
@@ -274,7 +348,7 @@ class Drainer:
     async def _one(self, job: DrainJob) -> None:
         if job.op != "copy":
             try:
-                await trio.to_thread.run_sync(apply_change, job, self.backing_fd, limiter=self.limiter)
+                await trio.to_thread.run_sync(self._apply_change, job, limiter=self.limiter)
             except OSError as e:
                 self.errors[job.rel] = f"{job.op}: {os.strerror(e.errno or errno.EIO)}"
                 log.error("drain: %s of %s failed: %s", job.op, job.rel, e)
@@ -318,6 +392,15 @@ class Drainer:
                 self.copy_s += dt
             self._copied[job.id] = (job.version, rel)
             self.errors.pop(rel, None)
+
+    def _apply_change(self, job: DrainJob) -> None:
+        """Blocking: apply a change, then forget its record (also when it failed: the error is
+        reported, and a record kept would undo a later change of the path at the next mount)."""
+        try:
+            apply_change(job, self.backing_fd)
+        finally:
+            if job.pending:
+                pending.forget(self.device_roots, job.pending)
 
     async def progressed(self) -> None:
         """Wait until the next job has been handled."""

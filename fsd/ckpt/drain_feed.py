@@ -4,7 +4,9 @@ job still describes the file under its name."""
 
 from __future__ import annotations
 
+from fsd.ckpt import pending
 from fsd.ckpt.drain import DrainJob, Drainer
+from fsd.ckpt.manifest import MetaStore
 from fsd.ckpt.node import Node
 from fsd.ckpt.tree import Tree
 
@@ -14,9 +16,10 @@ class DrainFeed:
     files stay on the devices only (``--no-drain``); the view's changes of backing files still
     reach the backing directory."""
 
-    def __init__(self, tree: Tree, drainer: Drainer, *, copies: bool = True) -> None:
+    def __init__(self, tree: Tree, drainer: Drainer, meta: MetaStore, *, copies: bool = True) -> None:
         self.tree = tree
         self.drainer = drainer
+        self.meta = meta
         self.copies = copies
         drainer.current = self.current
         drainer.renamed = self.renamed
@@ -26,7 +29,8 @@ class DrainFeed:
         if not self.copies or node.backing or node.fs is None:
             return
         self.drainer.submit(DrainJob(node.id, node.version, self.tree.path(node), node.fs.size, node.fs.layout,
-                                     mode=node.mode, mtime_ns=node.mtime_ns, atime_ns=node.atime_ns))
+                                     mode=node.mode, mtime_ns=node.mtime_ns, atime_ns=node.atime_ns,
+                                     uid=node.uid, gid=node.gid))
 
     def submit_tree(self, top: Node | None = None) -> None:
         """Queue every published file (under *top*): at start, what an earlier mount did not drain;
@@ -38,10 +42,23 @@ class DrainFeed:
                 self.submit(node)
 
     def change(self, op: str, node: Node, rel: str, dst: str = "") -> None:
-        """Queue a change of the view (``unlink``, ``rmdir``, ``rename`` to *dst*, ``meta``) for the
-        backing directory."""
+        """Queue a change of the view that needs no record (``meta``: a node's next complete
+        manifest carries it) for the backing directory."""
         self.drainer.submit(DrainJob(node.id, node.version, rel, op=op, dst=dst, mode=node.mode,
-                                     mtime_ns=node.mtime_ns, atime_ns=node.atime_ns))
+                                     mtime_ns=node.mtime_ns, atime_ns=node.atime_ns, uid=node.uid, gid=node.gid))
+
+    async def record(self, op: str, node: Node, rel: str, dst: str = "") -> DrainJob:
+        """The job of an ``unlink``, ``rmdir`` or ``rename`` (to *dst*) of *rel*, recorded durably on
+        every device first (:mod:`fsd.ckpt.pending`; callers hold the meta lock, which orders the
+        records as the view's changes)."""
+        c = pending.Change(self.meta.take_seq(), op, rel, dst, node.id, node.recorded)
+        await self.meta.on_every_device(pending.write, c)
+        return DrainJob(node.id, node.version, rel, op=op, dst=dst, mode=node.mode,
+                        mtime_ns=node.mtime_ns, atime_ns=node.atime_ns, pending=c.seq)
+
+    def submit_change(self, job: DrainJob) -> None:
+        """Queue a recorded change (once the view has made it)."""
+        self.drainer.submit(job)
 
     def renamed(self, src: str, dst: str) -> None:
         """A rename reached the backing directory: backing nodes under *src* now live under *dst*."""

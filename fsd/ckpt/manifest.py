@@ -39,6 +39,27 @@ class ManifestError(ValueError):
     """A manifest file that is torn, corrupt or of an unknown version."""
 
 
+def seal(d: dict[str, object]) -> bytes:
+    """*d* as one JSON line and a CRC line: a torn or corrupt copy is recognised."""
+    body = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+    return body + b"\n" + b"%08x\n" % zlib.crc32(body)
+
+
+def unseal(raw: bytes) -> bytes:
+    """The JSON body of bytes written by :func:`seal`; ManifestError if torn or corrupt."""
+    parts = raw.split(b"\n")
+    if len(parts) != 3 or parts[2] != b"":
+        raise ManifestError("torn manifest")
+    body, crc = parts[0], parts[1]
+    try:
+        ok = int(crc, 16) == zlib.crc32(body)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ManifestError("manifest CRC mismatch")
+    return body
+
+
 @dataclass
 class Manifest:
     """Durable description of one node."""
@@ -63,22 +84,12 @@ class Manifest:
 
     def encode(self) -> bytes:
         """Serialise with a CRC trailer line."""
-        body = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
-        return body + b"\n" + b"%08x\n" % zlib.crc32(body)
+        return seal(asdict(self))
 
     @classmethod
     def decode(cls, raw: bytes) -> "Manifest":
         """Parse bytes written by :meth:`encode`; raise ManifestError if torn or corrupt."""
-        parts = raw.split(b"\n")
-        if len(parts) != 3 or parts[2] != b"":
-            raise ManifestError("torn manifest")
-        body, crc = parts[0], parts[1]
-        try:
-            ok = int(crc, 16) == zlib.crc32(body)
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ManifestError("manifest CRC mismatch")
+        body = unseal(raw)
         try:
             d = json.loads(body)
             if not isinstance(d, dict):
@@ -104,7 +115,8 @@ def data_name(node_id: int) -> str:
     return f"{node_id:016x}"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync the directory *path* (a rename or unlink in it becomes durable)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -112,42 +124,47 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def publish(device_root: Path, m: Manifest, *, durable: bool = True) -> None:
-    """Atomically replace *m*'s manifest on one device (tmp, fsync, rename, fsync dir)."""
-    meta = device_root / META_DIR
-    final = meta / meta_name(m.id)
-    tmp = meta / (meta_name(m.id) + f".tmp{m.seq}")
+def write_atomic(directory: Path, name: str, data: bytes, *, tag: int, durable: bool = True) -> None:
+    """Atomically replace *directory*/*name* with *data* (tmp named by *tag*, fsync, rename,
+    fsync dir): a reader finds the old or the new complete file."""
+    final = directory / name
+    tmp = directory / (name + f".tmp{tag}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-        data = m.encode()
         n = os.write(fd, data)
         if n != len(data):
-            raise OSError(5, "short manifest write")
+            raise OSError(5, f"short write of {final}")
         if durable:
             os.fsync(fd)
     except BaseException:
         os.close(fd)
-        _unlink_quiet(tmp)
+        unlink_quiet(tmp)
         raise
     os.close(fd)
     os.rename(tmp, final)
     if durable:
-        _fsync_dir(meta)
+        fsync_dir(directory)
+
+
+def publish(device_root: Path, m: Manifest, *, durable: bool = True) -> None:
+    """Atomically replace *m*'s manifest on one device (tmp, fsync, rename, fsync dir)."""
+    write_atomic(device_root / META_DIR, meta_name(m.id), m.encode(), tag=m.seq, durable=durable)
 
 
 def remove(device_root: Path, node_id: int, *, durable: bool = True) -> None:
     """Delete a node's manifest on one device (missing is fine), then fsync the dir."""
-    _unlink_quiet(device_root / META_DIR / meta_name(node_id))
+    unlink_quiet(device_root / META_DIR / meta_name(node_id))
     if durable:
-        _fsync_dir(device_root / META_DIR)
+        fsync_dir(device_root / META_DIR)
 
 
 def sync_dir(device_root: Path) -> None:
     """fsync the manifest directory of one device (after non-durable removes)."""
-    _fsync_dir(device_root / META_DIR)
+    fsync_dir(device_root / META_DIR)
 
 
-def _unlink_quiet(p: Path) -> None:
+def unlink_quiet(p: Path) -> None:
+    """Remove *p*; a missing one is fine."""
     try:
         os.unlink(p)
     except FileNotFoundError:
@@ -165,7 +182,7 @@ def scan(device_root: Path) -> tuple[list[Manifest], list[str]]:
     for entry in sorted(os.listdir(meta)):
         p = meta / entry
         if ".tmp" in entry:
-            _unlink_quiet(p)
+            unlink_quiet(p)
             continue
         if not entry.endswith(".m"):
             continue
@@ -216,7 +233,9 @@ class MetaStore:
         self.next_seq += 1
         return s
 
-    async def _each(self, fn: Callable[..., None], *args: object, **kw: object) -> None:
+    async def on_every_device(self, fn: Callable[..., None], *args: object, **kw: object) -> None:
+        """Run ``fn(root, *args, **kw)`` for every device root in parallel threads; the first
+        error is raised once all are done (status names each failing device)."""
         import functools
 
         import trio
@@ -239,9 +258,9 @@ class MetaStore:
 
     async def publish(self, m: Manifest, *, durable: bool = True) -> None:
         """Publish *m* on every device; returns when all copies are written (and durable)."""
-        await self._each(publish, m, durable=durable)
+        await self.on_every_device(publish, m, durable=durable)
         self.publishes += 1
 
     async def remove(self, node_id: int, *, durable: bool = True) -> None:
         """Remove a node's manifest on every device."""
-        await self._each(remove, node_id, durable=durable)
+        await self.on_every_device(remove, node_id, durable=durable)

@@ -9,7 +9,7 @@ Pure arithmetic: no I/O, unit-testable.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 ALIGN = 4096
@@ -66,6 +66,20 @@ class Layout:
             yield Extent(self.device_of(k), self.local_offset(k) + within, off, n)
             off += n
 
+    def file_ranges(self, device: int, local_off: int, length: int) -> Iterator[tuple[int, int]]:
+        """File ranges ``(offset, length)``, in file order, that bytes [local_off, local_off+length)
+        of *device*'s data file hold: the inverse of :meth:`extents`, one range per stripe touched
+        (the drain maps a device file's data segments back to the file with it)."""
+        s, n = self.stripe_size, self.n_devices
+        first = (device - self.start) % n  # the file stripe at the device's local offset 0
+        end = local_off + length
+        while local_off < end:
+            j = local_off // s
+            within = local_off - j * s
+            m = min(s - within, end - local_off)
+            yield (j * n + first) * s + within, m
+            local_off += m
+
     def local_lengths(self, size: int) -> list[int]:
         """Length of each device's data file needed to hold a file of *size* bytes."""
         out = [0] * self.n_devices
@@ -82,3 +96,20 @@ class Layout:
         (the devices' largest file size): whole rounds of stripes, then the head of the next stripe."""
         s = self.stripe_size
         return self.n_devices * (local_max // s) * s + local_max % s
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """Ranges ``(offset, length)`` sorted by offset, with overlapping and adjacent ones joined
+    (empty ones dropped)."""
+    cur_off, cur_end = 0, -1
+    for off, n in ranges:
+        if n <= 0:
+            continue
+        if off <= cur_end:
+            cur_end = max(cur_end, off + n)
+            continue
+        if cur_end > cur_off:
+            yield cur_off, cur_end - cur_off
+        cur_off, cur_end = off, off + n
+    if cur_end > cur_off:
+        yield cur_off, cur_end - cur_off

@@ -1,0 +1,145 @@
+"""Pending changes of the backing directory: the view's unlink, rmdir and rename, recorded on every
+device before the call returns, forgotten once the drainer has applied them there.
+
+The drainer applies the view's changes to the backing directory later, in order. Until it has, the
+backing directory still holds the old name; a mount that started before then (``fsd unmount
+--no-wait-drain``, SIGKILL, a crash) would show it again through the union view. So each change is
+first recorded durably (``fsd-ckpt/pending/<seq>.c`` on every device, sealed like a manifest), and
+a mount replays the records left over before it scans the backing directory.
+
+A record of a node with a manifest counts only if the change reached the manifests too (a crash may
+cut the call short after the record): its manifest is gone (unlink, rmdir) or newer than the
+record (rename). A backing-only node has no manifest: its record is the change. All functions
+here block: worker threads only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fsd.ckpt.manifest import Manifest, ManifestError, fsync_dir, unlink_quiet, seal, unseal, write_atomic
+
+log = logging.getLogger(__name__)
+
+PENDING_DIR = "fsd-ckpt/pending"
+OPS = ("unlink", "rmdir", "rename")
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change of the view that the backing directory has not followed yet."""
+
+    seq: int  # from the manifests' sequence: orders it among them
+    op: str  # one of OPS
+    rel: str  # path under the backing directory
+    dst: str = ""  # rename: the new path
+    node: int = 0  # the node's id
+    device: bool = False  # the node had a manifest when the change was made
+    version: int = 1
+
+    def encode(self) -> bytes:
+        return seal(asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "Change":
+        """Parse :meth:`encode`'s bytes; ManifestError if torn, corrupt or unknown."""
+        try:
+            d = json.loads(unseal(raw))
+            c = cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ManifestError(f"bad pending change: {e}") from e
+        if c.version != 1 or c.op not in OPS or not c.rel:
+            raise ManifestError(f"unsupported pending change {c.op!r} (version {c.version})")
+        return c
+
+
+def _name(seq: int) -> str:
+    return f"{seq:016x}.c"
+
+
+def write(device_root: Path, c: Change) -> None:
+    """Record *c* durably on one device."""
+    d = device_root / PENDING_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    write_atomic(d, _name(c.seq), c.encode(), tag=c.seq)
+
+
+def forget(device_roots: list[Path], seq: int) -> None:
+    """Remove the record *seq* from every device, durably: a later change of the same path must
+    never be undone by replaying this one. A device that fails is logged (its copy is replayed
+    by the next mount, then removed)."""
+    for root in device_roots:
+        d = root / PENDING_DIR
+        try:
+            unlink_quiet(d / _name(seq))
+            fsync_dir(d)
+        except OSError as e:
+            log.error("cannot forget pending change %d on %s: %s", seq, root, e)
+
+
+def load(device_roots: list[Path]) -> tuple[list[Change], list[str]]:
+    """Every record on any device, oldest first, and the problems found (torn copies are
+    ignored: a torn record was never complete, so its call never returned)."""
+    found: dict[int, Change] = {}
+    problems: list[str] = []
+    for root in device_roots:
+        d = root / PENDING_DIR
+        try:
+            names = sorted(os.listdir(d))
+        except FileNotFoundError:
+            continue
+        for entry in names:
+            p = d / entry
+            if ".tmp" in entry:
+                unlink_quiet(p)
+                continue
+            try:
+                c = Change.decode(p.read_bytes())
+            except (ManifestError, OSError) as e:
+                problems.append(f"{p}: {e}")
+                unlink_quiet(p)
+                continue
+            found[c.seq] = c
+    return [found[s] for s in sorted(found)], problems
+
+
+def happened(c: Change, nodes: dict[int, Manifest]) -> bool:
+    """Whether *c* took effect in the namespace (*nodes*: the recovered manifests by id)."""
+    if not c.device:
+        return True
+    m = nodes.get(c.node)
+    return m is None or m.seq > c.seq
+
+
+def replay(device_roots: list[Path], nodes: dict[int, Manifest],
+           apply: Callable[[Change], None]) -> dict[str, object]:
+    """Apply the changes left over by an earlier mount that took effect, oldest first, and forget
+    every record; returns a report for status."""
+    changes, problems = load(device_roots)
+    done = skipped = 0
+    errors: list[str] = []
+    for c in changes:
+        if happened(c, nodes):
+            try:
+                apply(c)
+                done += 1
+            except OSError as e:
+                errors.append(f"{c.op} {c.rel}: {e}")
+                log.error("replaying %s of %s in the backing directory failed: %s", c.op, c.rel, e)
+        else:
+            skipped += 1
+        forget(device_roots, c.seq)
+    if done or skipped or errors:
+        log.info("backing directory: %d pending changes of an earlier mount applied, %d not made", done, skipped)
+    return {"applied": done, "not_made": skipped, "errors": errors + problems}
+
+
+def newest_seq(device_roots: list[Path]) -> int:
+    """The highest sequence number among the records (0 if none)."""
+    changes, _ = load(device_roots)
+    return max((c.seq for c in changes), default=0)

@@ -1,0 +1,131 @@
+"""Real checkpoint mounts draining sparse files (issue 36): a file that never touched one of the
+devices reaches the backing directory, and holes stay holes there (its allocated size is close to
+what the devices hold for it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import FSD, REPO
+
+from fsd.ckpt.manifest import DATA_DIR
+
+pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class Setup:
+    def __init__(self, root: Path) -> None:
+        self.devices = [root / f"nvme{i}" for i in range(3)]
+        self.back = root / "backing"
+        self.mnt = root / "mnt"
+        for d in [*self.devices, self.back, self.mnt]:
+            d.mkdir(parents=True, exist_ok=True)
+
+    def args(self) -> list[Any]:
+        return ["--checkpoints", self.back, "--at", self.mnt, "--devices", ",".join(map(str, self.devices)),
+                "--stripe-size", "1M", "--dirty-limit", "32M"]
+
+    def device_blocks(self) -> int:
+        """512-byte blocks of all data files on the devices."""
+        return sum(p.stat().st_blocks for d in self.devices for p in (d / DATA_DIR).iterdir())
+
+
+@pytest.fixture
+def ck(tmp_path: Path) -> Setup:
+    return Setup(tmp_path)
+
+
+def _unmount(m: Any) -> None:
+    """``fsd unmount`` of the test's mount, which waits for the drain (its daemon is our child:
+    reaped here, so that the command sees it gone)."""
+    u = subprocess.Popen(FSD + ["unmount", str(m.mountpoint)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    m.proc.wait(120)
+    _, err = u.communicate(timeout=60)
+    assert u.returncode == 0, err
+
+
+def _data_ranges(p: Path) -> list[tuple[int, int]]:
+    """(offset, length) of the data segments of *p* (SEEK_DATA/SEEK_HOLE)."""
+    out = []
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        size, off = os.fstat(fd).st_size, 0
+        while off < size:
+            try:
+                lo = os.lseek(fd, off, os.SEEK_DATA)
+            except OSError:
+                break
+            hi = os.lseek(fd, lo, os.SEEK_HOLE)
+            out.append((lo, hi - lo))
+            off = hi
+    finally:
+        os.close(fd)
+    return out
+
+
+def _pread(p: Path, off: int, n: int) -> bytes:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        return os.pread(fd, n, off)
+    finally:
+        os.close(fd)
+
+
+def test_one_byte_at_1gib_drains_although_two_devices_never_saw_the_file(ck: Setup, mounter: Any) -> None:
+    m = mounter(ck.args(), ck.mnt)
+    fd = os.open(ck.mnt / "one.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.pwrite(fd, b"x", GiB)
+    os.close(fd)
+    _unmount(m)
+    p = ck.back / "one.bin"
+    assert sorted(os.listdir(ck.back)) == ["one.bin"], m.log_text()
+    st = p.stat()
+    assert st.st_size == GiB + 1
+    assert _pread(p, GiB - 4096, 8192) == bytes(4096) + b"x"
+    assert _pread(p, 0, 4096) == bytes(4096)
+    assert st.st_blocks * 512 <= 2 * MiB  # what the devices hold for it, not a gigabyte of zeros
+    assert st.st_blocks <= ck.device_blocks() + 8
+
+
+def test_holes_stay_holes_in_the_backing_directory(ck: Setup, mounter: Any) -> None:
+    m = mounter(ck.args(), ck.mnt)
+    size = 8 * GiB
+    islands = {
+        0: os.urandom(5000),
+        3 * MiB - 100: os.urandom(300),  # across a stripe and device boundary
+        2 * GiB + MiB - 5000: os.urandom(2 * MiB + 10_000),  # over three stripes, all devices
+        5 * GiB: os.urandom(MiB),  # exactly one stripe
+        size - 10: os.urandom(10),  # the tail
+    }
+    fd = os.open(ck.mnt / "sparse.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        for off, b in islands.items():
+            assert os.pwrite(fd, b, off) == len(b)
+    finally:
+        os.close(fd)
+    _unmount(m)
+    p = ck.back / "sparse.bin"
+    assert sorted(os.listdir(ck.back)) == ["sparse.bin"], m.log_text()
+    assert p.stat().st_size == size
+    for off, b in islands.items():
+        assert _pread(p, off, len(b)) == b
+    # byte-identical: every data segment of the copy is zeros outside the islands (holes read as zero)
+    for lo, n in _data_ranges(p):
+        assert n <= 64 * MiB, (lo, n)
+        got = bytearray(_pread(p, lo, n))
+        for off, b in islands.items():
+            a, e = max(off, lo), min(off + len(b), lo + n)
+            if a < e:
+                got[a - lo:e - lo] = bytes(e - a)
+        assert not any(got), f"non-zero bytes outside the islands in [{lo}, {lo + n})"
+    dev_blocks, back_blocks = ck.device_blocks(), p.stat().st_blocks
+    assert dev_blocks * 512 <= 64 * MiB  # the devices held it sparse
+    assert back_blocks <= dev_blocks + 8 * len(islands), (back_blocks, dev_blocks)
