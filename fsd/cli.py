@@ -121,7 +121,9 @@ def _make_root(args: argparse.Namespace, source: Path, mountpoint: Path) -> Any:
                            drain=args.drain, keep_on_devices=args.keep_on_devices)
 
 
-def _mount(args: argparse.Namespace, ready: Callable[[], None] | None) -> None:
+def _mount(args: argparse.Namespace, ready: Callable[[], None] | None) -> int:
+    """Mount and serve until unmounted; 1 if the unmount could not do all it should (a checkpoint
+    mount's report names what), else 0."""
     from fsd import mount
 
     source: Path = args.data if args.data is not None else args.checkpoints
@@ -134,6 +136,7 @@ def _mount(args: argparse.Namespace, ready: Callable[[], None] | None) -> None:
         options.append("allow_other")
     root.options = options
     mount.serve(root, mountpoint, ready=ready)
+    return 1 if getattr(root, "problems", None) else 0
 
 
 def _daemonize(args: argparse.Namespace) -> int:
@@ -166,7 +169,7 @@ def _daemonize(args: argparse.Namespace) -> int:
 
     code = 0
     try:
-        _mount(args, ready)
+        code = _mount(args, ready)
     except FsdError as e:
         log.error("%s", e)
         try:
@@ -268,29 +271,28 @@ def _format_status(doc: dict[str, Any], indent: str = "") -> str:
     return "\n".join(lines)
 
 
-def _drain_status(path: Path) -> dict[str, Any] | None:
-    from fsd.status import read_status
+def _read_status(path: Path) -> dict[str, Any] | None:
+    from fsd.mount import status_within
 
-    try:
-        return read_status(path).get("drain")
-    except (OSError, ValueError):
-        return None
+    return status_within(path)
 
 
-def _before_unmount(path: Path, *, wait_drain: bool) -> None:
+def _before_unmount(path: Path, *, wait_drain: bool) -> dict[str, Any] | None:
     """A checkpoint mount: say what remains to drain and wait for it with progress, or tell the
-    daemon not to wait (the next mount over the same devices finishes the drain)."""
+    daemon not to wait (the next mount over the same devices finishes the drain). Returns the
+    mount's status (None if it could not be read)."""
     from fsd.status import NO_WAIT_DRAIN, UNMOUNT_XATTR
 
-    drain = _drain_status(path)
+    doc = _read_status(path)
+    drain = doc.get("drain") if doc else None
     if not drain:
-        return
+        return doc
     if not wait_drain:
         os.setxattr(path, UNMOUNT_XATTR, NO_WAIT_DRAIN)
         if drain.get("queued"):
             print(f"fsd: {drain['queued_bytes'] / 1e6:.1f} MB left to drain; the next mount finishes it",
                   file=sys.stderr)
-        return
+        return doc
     shown = 0.0
     while drain and drain.get("queued"):
         if time.monotonic() - shown >= 1:
@@ -298,7 +300,38 @@ def _before_unmount(path: Path, *, wait_drain: bool) -> None:
             print(f"fsd: draining {drain['queued_bytes'] / 1e6:.1f} MB ({drain['queued']} jobs) to the backing "
                   f"directory, {drain.get('rate_MBps', 0)} MB/s", file=sys.stderr)
         time.sleep(0.2)
-        drain = _drain_status(path)
+        doc = _read_status(path) or doc
+        drain = doc.get("drain")
+    return doc
+
+
+def _unmount(args: argparse.Namespace) -> int:
+    """``fsd unmount``: 0 only when the daemon stopped having done all it was asked (for a
+    checkpoint mount: every file durable and, unless --no-wait-drain, drained); otherwise what
+    it could not do goes to stderr and the exit status is 1."""
+    from fsd.mount import unmount
+    from fsd.status import read_unmount_report
+
+    doc = _before_unmount(args.path, wait_drain=not args.no_wait_drain)
+    unmount(args.path, lazy=args.lazy, timeout=args.timeout)
+    if doc is None:
+        print(f"fsd: {args.path}: unmounted, but its status could not be read before: "
+              "cannot confirm that its daemon stopped cleanly (see its log)", file=sys.stderr)
+        return 1
+    paths = doc.get("unmount_report")
+    if not paths:
+        return 0
+    report = read_unmount_report(paths, doc.get("pid"))
+    if report is None:
+        print(f"fsd: {args.path}: the daemon (pid {doc.get('pid')}) ended without an unmount report: it was "
+              "killed or crashed; the next mount recovers what was durable (see its log)", file=sys.stderr)
+        return 1
+    for line in report.get("notes", []):
+        print(f"fsd: {line}", file=sys.stderr)
+    problems = report.get("problems", [])
+    for line in problems:
+        print(f"fsd: unmount: {line}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def _drained(path: Path) -> int:
@@ -322,15 +355,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.daemon:
                 return _daemonize(args)
             _setup_logging(args.verbose, args.log)
-            _mount(args, None)
-            return 0
+            return _mount(args, None)
         _setup_logging(args.verbose, None)
         if args.cmd == "unmount":
-            from fsd.mount import unmount
-
-            _before_unmount(args.path, wait_drain=not args.no_wait_drain)
-            unmount(args.path, lazy=args.lazy, timeout=args.timeout)
-            return 0
+            return _unmount(args)
         if args.cmd == "drained":
             return _drained(args.path)
         if args.cmd == "status":

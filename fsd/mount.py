@@ -225,18 +225,25 @@ async def _watch_signals(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
             return
 
 
-def _daemon_pid(path: Path, timeout: float = 5.0) -> int | None:
-    """The daemon's pid from ``.fsd/status``; None if it does not answer in time."""
-    out: list[int | None] = [None]
+def status_within(path: Path, timeout: float = 5.0) -> dict[str, Any] | None:
+    """The mount's ``.fsd/status``; None if it cannot be read or does not answer in *timeout*
+    seconds (a hung daemon must not hang the command asking)."""
+    out: list[dict[str, Any] | None] = [None]
 
     def read() -> None:
         try:
-            out[0] = read_status(path).get("pid")
+            out[0] = read_status(path)
         except (OSError, ValueError):
             pass
 
-    start_thread(read, name="fsd-status-read").join(timeout)  # a hung daemon must not hang unmount
+    start_thread(read, name="fsd-status-read").join(timeout)
     return out[0]
+
+
+def _daemon_pid(path: Path, timeout: float = 5.0) -> int | None:
+    """The daemon's pid from ``.fsd/status``; None if it does not answer in time."""
+    doc = status_within(path, timeout)
+    return doc.get("pid") if doc else None
 
 
 #: Attempts of a non-lazy unmount that finds the mount busy, 0.2 s apart.

@@ -26,6 +26,23 @@ DRAINED_XATTR = "user.fsd.drained"
 #: makes the daemon leave at once and the next mount over the same devices finish the drain.
 UNMOUNT_XATTR = "user.fsd.unmount"
 NO_WAIT_DRAIN = b"no-wait-drain"
+#: A checkpoint mount's last word, on each of its devices: what its unmount could not do. Its
+#: status names the copies (``unmount_report``); ``fsd unmount`` reads one once the daemon is gone.
+UNMOUNT_REPORT = "fsd-ckpt/unmount.json"
+
+
+def read_unmount_report(paths: list[str], pid: int | None) -> dict[str, Any] | None:
+    """The unmount report that daemon *pid* wrote at one of *paths* (None if none did: it was
+    killed or crashed, or a report is an older daemon's)."""
+    for p in paths:
+        try:
+            with open(p, "rb") as f:
+                doc = json.loads(f.read())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and (pid is None or doc.get("pid") == pid):
+            return doc
+    return None
 
 
 def control_path(mountpoint: str | os.PathLike[str], name: str = "") -> str:
@@ -68,4 +85,4 @@ def cluster_lines(doc: dict[str, Any]) -> list[str]:
 
 
 __all__ = ["CONTROL_DIR", "CONTROL_FILE", "DRAINED_XATTR", "ERROR_FILE", "NO_WAIT_DRAIN", "STATUS_FILE",
-           "UNMOUNT_XATTR", "cluster_lines", "control_path", "read_status"]
+           "UNMOUNT_REPORT", "UNMOUNT_XATTR", "cluster_lines", "control_path", "read_status", "read_unmount_report"]

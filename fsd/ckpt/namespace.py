@@ -37,7 +37,8 @@ from typing import Any
 import trio
 
 from fsd.ckpt.backing import BackingReader, scan
-from fsd.ckpt.drain import Drainer
+from fsd.ckpt import pending
+from fsd.ckpt.drain import DrainJob, Drainer, apply_change
 from fsd.ckpt.drain_feed import DrainFeed
 from fsd.ckpt.file_state import FileState
 from fsd.ckpt.manifest import ROOT_ID, STATE_COMPLETE, STATE_WRITING, Manifest, MetaStore
@@ -69,7 +70,8 @@ class Namespace:
         self.device_ids = rec.device_ids
         self.wb = WriteBack(self.device_roots, dirty_limit=dirty_limit, chunk_size=chunk_size,
                             threads_per_device=threads_per_device)
-        self.meta = MetaStore(self.device_roots, rec.next_seq)
+        # a pending change's record left by an earlier mount keeps its place in the sequence
+        self.meta = MetaStore(self.device_roots, max(rec.next_seq, pending.newest_seq(self.device_roots) + 1))
         self.meta.on_error = self._manifest_error
         self.next_id = rec.next_id
         self._uid_index = {u: i for i, u in enumerate(self.device_ids)}
@@ -85,9 +87,14 @@ class Namespace:
         self.feed: DrainFeed | None = None
         self.union: UnionView | None = None
         self.wait_drain = True  # unmount waits for the drain (``fsd unmount --no-wait-drain``: not)
+        self.stop_problems: list[str] = []  # what the stop could not do (see unmount_report)
+        self.failed_at_start = set(self.failed)
+        self.replayed: dict[str, object] | None = None
         if backing_fd is not None:
+            self.replayed = pending.replay(self.device_roots, rec.nodes, lambda c: apply_change(
+                DrainJob(c.node, 0, c.rel, op=c.op, dst=c.dst), backing_fd))
             self.drainer = Drainer(self.device_roots, backing_fd, lambda job: False)
-            self.feed = DrainFeed(self.tree, self.drainer, copies=drain)
+            self.feed = DrainFeed(self.tree, self.drainer, self.meta, copies=drain)
             self.union = UnionView(self.tree, self.wb, BackingReader(backing_fd), stripe_size=stripe_size,
                                    devices=len(self.device_roots), new_id=self._new_id, publish=self._publish,
                                    lock=self.meta.lock)
@@ -130,7 +137,7 @@ class Namespace:
         """Make every file durable and published, finish the drain, then stop the threads."""
         await self.settle()
         await self.stop_drain()
-        await self.wb.stop()
+        self.stop_problems += await self.wb.stop()
 
     async def stop_drain(self) -> None:
         """Finish the drain queue (or leave it to the next mount: ``wait_drain`` false)."""
@@ -144,14 +151,14 @@ class Namespace:
                 try:
                     await self._make_durable(node, publish=node.writers == 0)
                 except OSError as e:
-                    log.error("could not make %s durable at stop: %s", self.path(node), e)
+                    self.stop_problems.append(f"{self.path(node)}: not durable: {e}")
         await self.wait_finished()
         for node in list(self.nodes.values()):
             if node.meta_dirty:
                 try:
                     await self._publish_meta(node)
                 except OSError as e:
-                    log.error("could not publish the metadata of %s at stop: %s", self.path(node), e)
+                    self.stop_problems.append(f"{self.path(node)}: metadata not durable: {e}")
 
     async def wait_finished(self) -> None:
         """Wait for the background publishes that closes started."""
@@ -180,10 +187,11 @@ class Namespace:
                 raise _error(errno.ENOTDIR)
             if node.children:
                 raise _error(errno.ENOTEMPTY)
+            job = await self._record_change("rmdir", node, self.path(node))
             if node.recorded:
                 await self.meta.remove(node.id)
             self.tree.detach(node)
-        self._backing_change("rmdir", node)
+            self._submit_change(job)
         self._maybe_free(node)
 
     async def unlink(self, parent: Node, name: bytes) -> None:
@@ -192,12 +200,13 @@ class Namespace:
             node = self.child(parent, name)
             if node.children is not None:
                 raise _error(errno.EISDIR)
+            job = await self._record_change("unlink", node, self.path(node))
             if node.recorded:
                 await self.meta.remove(node.id)
                 node.recorded = node.published = False
             self.tree.detach(node)
             node.ctime_ns = time.time_ns()
-        self._backing_change("unlink", node)
+            self._submit_change(job)
         self._maybe_free(node)
 
     async def rename(self, src_dir: Node, name_old: bytes, dst_dir: Node, name_new: bytes, *,
@@ -232,13 +241,15 @@ class Namespace:
                     raise _error(errno.ENOTDIR)
             if node.children is not None and self.tree.is_ancestor(node, dst_dir):
                 raise _error(errno.EINVAL, "a directory cannot move into itself")
+            old_path = self.path(node)
+            job = await self._record_change("rename", node, old_path,
+                                            f"{self.path(dst_dir)}/{os.fsdecode(name_new)}".lstrip("/"))
             old_parent, old_name, old_ctime = node.parent, node.name, node.ctime_ns
             node.parent, node.name = dst_dir.id, name_new
             node.ctime_ns = time.time_ns()
             if node.fs is not None:
                 node.fs.label = os.fsdecode(name_new)
             complete = node.children is not None or node.backing or (node.writers == 0 and self._clean(node))
-            old_path = self.tree.path(self.nodes[src_dir.id]) + "/" + os.fsdecode(old_name)
             try:
                 if not node.backing:
                     await self._publish(node, STATE_COMPLETE if complete else STATE_WRITING)
@@ -259,10 +270,10 @@ class Namespace:
                     victim.recorded = victim.published = False
                 victim.linked = False
             self.tree.attach(dst_dir, node)
+            self._submit_change(job)
         if victim is not None:
             self._maybe_free(victim)
         if self.feed is not None:
-            self.feed.change("rename", node, old_path.lstrip("/"), self.path(node))
             if node.children is not None:
                 self.feed.submit_tree(node)
             elif complete and node.writers == 0:
@@ -313,7 +324,7 @@ class Namespace:
             node.mtime_ns = mtime_ns
         node.ctime_ns = time.time_ns() if ctime_ns is None else ctime_ns
         node.meta_version += 1
-        if node.linked and (mode is not None or atime_ns is not None or mtime_ns is not None):
+        if node.linked and any(v is not None for v in (mode, uid, gid, atime_ns, mtime_ns)):
             self._backing_change("meta", node)
         if node.backing:  # no manifest: the backing directory keeps it
             node.meta_durable = node.meta_version
@@ -448,6 +459,19 @@ class Namespace:
         if self.feed is not None:
             self.feed.change(op, node, self.path(node))
 
+    async def _record_change(self, op: str, node: Node, rel: str, dst: str = "") -> DrainJob | None:
+        """Before the view's unlink, rmdir or rename of *rel*: its record, durable on the devices
+        (callers hold ``meta.lock``), so that no later mount shows the backing directory's old
+        name; the job is submitted once the view has changed (:meth:`_submit_change`)."""
+        if self.feed is None:
+            return None
+        return await self.feed.record(op, node, rel, dst)
+
+    def _submit_change(self, job: DrainJob | None) -> None:
+        """Queue a recorded change for the backing directory (under ``meta.lock``: in the view's order)."""
+        if job is not None and self.feed is not None:
+            self.feed.submit_change(job)
+
     def _manifest(self, node: Node, state: str) -> Manifest:
         m = Manifest(id=node.id, seq=self.meta.take_seq(), kind=node.kind, parent=node.parent,
                      name=os.fsdecode(node.name), state=state, mode=node.mode, mtime_ns=node.mtime_ns,
@@ -554,37 +578,6 @@ class Namespace:
             node.finishing = False
         if self.feed is not None and node.published and node.linked:
             self.feed.submit(node)
-
-    # -- status ----------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        """Files, what is not durable yet, unlinked files still open, failures, recovery, drain."""
-        pending = []
-        unlinked_open = []
-        for node in self.nodes.values():
-            if node.fs is None or node.backing:
-                continue
-            if not node.linked and node.fs.id in self.wb.files:
-                unlinked_open.append({"id": node.id, "name": os.fsdecode(node.name),
-                                      "bytes": node.fs.size, "open_handles": node.open_count})
-            elif node.linked and (node.modified or not node.published):
-                pending.append({"path": self.path(node), "size": node.fs.size,
-                                "dirty_bytes": len(node.fs.chunks) * self.wb.chunk_size,
-                                "open": node.open_count > 0, "error": node.error or (
-                                    os.strerror(node.fs.error) if node.fs.error else None),
-                                "error_device": node.fs.error_device})
-        return {
-            **self.wb.status(),
-            "files": sum(1 for n in self.nodes.values() if n.fs is not None and n.linked),
-            "pending_durability": pending,
-            "unlinked_open": unlinked_open,
-            "failed": self.failed,
-            "manifest_publishes": self.meta.publishes,
-            "recovery": self.recovery_report,
-            "drain": ({**self.drainer.status(), "enabled": self.feed.copies}
-                      if self.drainer is not None and self.feed is not None else None),
-            "backing": self.union.status() if self.union is not None else None,
-            "space": self.space.status() if self.space is not None else None,
-        }
 
     def drained(self, node: Node) -> bool:
         """Whether *node*'s content is in the backing directory under its name (``user.fsd.drained``)."""

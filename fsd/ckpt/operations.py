@@ -21,6 +21,7 @@ import trio
 
 from fsd.ckpt.manifest import ROOT_ID
 from fsd.ckpt.namespace import Namespace, Node, check_name, setid_to_clear
+from fsd.ckpt.reports import namespace_status
 from fsd.control import CONTROL_NAME
 from fsd.control_routes import expire_loop, serves_control
 from fsd.errors import fuse_errors
@@ -406,4 +407,4 @@ class CheckpointOperations(pyfuse3.Operations):
     def status(self) -> dict[str, Any]:
         """JSON-able state for ``.fsd/status``."""
         return {"kind": "checkpoints", "stripe_size": self.ns.stripe_size, "read_ahead_kb": self.readahead_kb,
-                **self.ns.status()}
+                **namespace_status(self.ns)}

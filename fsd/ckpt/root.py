@@ -7,23 +7,48 @@ directory, the drainer and the space manager). Started once mounted, each pushin
 the write-back's flusher threads (stopped last, after a final sync), the drain (its queue finished,
 or left to the next mount after ``fsd unmount --no-wait-drain``), the space manager and the
 control directory's expiry (ended with the nursery), and last the namespace's settling (every file
-durable and published, metadata too), which is therefore the first thing done at unmount.
+durable and published, metadata too), which is therefore the first thing done at unmount. The
+first pushed, so the last done, is the unmount report: what the stop could not do, in the log, on
+the devices for ``fsd unmount`` and in the daemon's exit status.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import resource
+import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from fsd.ckpt.manifest import write_atomic
 from fsd.ckpt.operations import READAHEAD_KB, CheckpointOperations, raise_readahead
+from fsd.ckpt.reports import unmount_report
 from fsd.control import ControlDir
 from fsd.control_routes import expire_loop, fuse_op_counts
 from fsd.mount import open_dir
+from fsd.status import UNMOUNT_REPORT
+
+log = logging.getLogger(__name__)
+
+
+def write_unmount_report(device_roots: list[Path], doc: dict[str, Any]) -> None:
+    """Blocking: *doc* as ``UNMOUNT_REPORT`` on every device that takes it (one is enough)."""
+    data = json.dumps(doc, indent=1).encode() + b"\n"
+    written = 0
+    for root in device_roots:
+        path = root / UNMOUNT_REPORT
+        try:
+            write_atomic(path.parent, path.name, data, tag=os.getpid())
+            written += 1
+        except OSError as e:
+            log.error("cannot write the unmount report on %s: %s", root, e)
+    if not written:
+        log.error("no device took the unmount report: fsd unmount cannot tell what this unmount did")
 
 
 class CheckpointMount:
@@ -37,6 +62,7 @@ class CheckpointMount:
                                        keep_on_devices=keep_on_devices)
         self.options = list(CheckpointOperations.fuse_options_default)
         self.ops: CheckpointOperations | None = None
+        self.problems: list[str] = []  # what the unmount could not do (the daemon exits 1)
 
     async def build(self, stack: AsyncExitStack) -> CheckpointOperations:
         backing_fd = open_dir(self.source)
@@ -56,8 +82,9 @@ class CheckpointMount:
         if soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         ns.tasks.nursery = nursery
+        stack.push_async_callback(self._report)  # the last thing done at unmount
         ns.wb.start(nursery)
-        stack.push_async_callback(ns.wb.stop)
+        stack.push_async_callback(self._stop_writeback)
         if ns.drainer is not None:
             ns.start_drain(nursery)
             stack.push_async_callback(ns.stop_drain)
@@ -67,3 +94,20 @@ class CheckpointMount:
         if ops.control is not None:
             nursery.start_soon(expire_loop, ops.control)
         stack.push_async_callback(ns.settle)
+
+    async def _stop_writeback(self) -> None:
+        assert self.ops is not None
+        self.ops.ns.stop_problems += await self.ops.ns.wb.stop()
+
+    async def _report(self) -> None:
+        """Say what the unmount could not do: in the log, in the report ``fsd unmount`` reads
+        (:func:`fsd.status.read_unmount_report`) and in the daemon's exit status."""
+        assert self.ops is not None
+        ns = self.ops.ns
+        self.problems, notes = unmount_report(ns)
+        for line in self.problems:
+            log.error("unmount: %s", line)
+        for line in notes:
+            log.info("unmount: %s", line)
+        doc = {"pid": os.getpid(), "unix": time.time(), "problems": self.problems, "notes": notes}
+        await trio.to_thread.run_sync(write_unmount_report, ns.device_roots, doc)

@@ -85,18 +85,17 @@ class WriteBack:
         self.readahead.nursery = nursery
         self.flusher.start()
 
-    async def stop(self) -> None:
-        """Flush every file durable, then stop the threads."""
+    async def stop(self) -> list[str]:
+        """Flush every file durable, then stop the threads; returns what could not be made durable."""
         errs = []
         for f in list(self.files.values()):
             try:
                 await self.sync(f)
             except OSError as e:
-                errs.append((f.label, e))
+                errs.append(f"data of {f.label or f.id} not durable at stop: {e}")
         await trio.to_thread.run_sync(self._stop_threads, limiter=self.io_limiter)
         self.pool.close()
-        for label, e in errs:
-            log.error("data of %s not durable at stop: %s", label, e)
+        return errs
 
     def _stop_threads(self) -> None:
         for d in self.devices:

@@ -12,6 +12,7 @@ import errno
 import fcntl
 import os
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 
 import emulate  # noqa: E402
-from conftest import write_until_error  # noqa: E402
+from conftest import FSD, write_until_error  # noqa: E402
 
 pytestmark = [
     pytest.mark.root,
@@ -82,3 +83,9 @@ def _exercise(m, mnt: Path, emu, devices: list[Path]) -> None:
         else:
             assert data == good
         assert os.listdir(mnt) == ["good.pt"]  # the failed file left no name behind
+        # an unmount never lies: it exits 1 and says which device failed
+        u = subprocess.Popen(FSD + ["unmount", str(mnt)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+        assert m.proc.wait(120) == 1  # the daemon's own exit status says so (and it is reaped here)
+        _, err = u.communicate(timeout=60)
+        assert u.returncode == 1, (u.returncode, err)
+        assert f"device 1 ({devices[1]})" in err and "I/O errors" in err, err

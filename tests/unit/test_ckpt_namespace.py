@@ -18,6 +18,7 @@ from conftest import device_dirs
 from fsd.ckpt import manifest as mf
 from fsd.ckpt.manifest import ROOT_ID
 from fsd.ckpt.namespace import Namespace, Node
+from fsd.ckpt.reports import namespace_status
 
 KiB = 1 << 10
 UID, GID = os.getuid(), os.getgid()
@@ -146,12 +147,12 @@ def test_an_unlinked_file_stays_readable_until_its_last_handle_closes(tmp_path: 
             ns.child(root, b"shard.distcp")
         assert e.value.errno == errno.ENOENT
         assert await ns.read(node, 0, len(blob)) == blob
-        assert ns.status()["unlinked_open"][0]["bytes"] == len(blob)
+        assert namespace_status(ns)["unlinked_open"][0]["bytes"] == len(blob)
         assert any(mf.data_name(node.id) in os.listdir(d / mf.DATA_DIR) for d in devs)
         ns.closed(node, writable=False)
         await ns.wait_finished()
         assert not any(mf.data_name(node.id) in os.listdir(d / mf.DATA_DIR) for d in devs)
-        assert not ns.status()["unlinked_open"]
+        assert not namespace_status(ns)["unlinked_open"]
 
     _run(devs, body)
 

@@ -1,0 +1,136 @@
+"""What an unmount and the next mount keep, with every flag: an unlink, rmdir or rename that returned
+is never undone (issue 36, defect 5: 44 deleted names came back after ``--no-wait-drain`` and a
+``--no-drain`` remount), and ``fsd unmount`` exits 0 only when everything asked is done."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import FSD, REPO, wait_until
+
+pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
+
+MiB = 1 << 20
+
+
+class Setup:
+    def __init__(self, root: Path) -> None:
+        self.devices = [root / f"nvme{i}" for i in range(3)]
+        self.back = root / "backing"
+        self.mnt = root / "mnt"
+        for d in [*self.devices, self.back, self.mnt]:
+            d.mkdir(parents=True, exist_ok=True)
+
+    def args(self, *extra: str) -> list[Any]:
+        return ["--checkpoints", self.back, "--at", self.mnt, "--devices", ",".join(map(str, self.devices)),
+                "--stripe-size", "1M", "--dirty-limit", "32M", *extra]
+
+
+def _unmount(m: Any, *flags: str) -> tuple[int, str]:
+    """``fsd unmount``; the daemon is our child, reaped here so that the command sees it gone."""
+    u = subprocess.Popen(FSD + ["unmount", *flags, str(m.mountpoint)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    m.proc.wait(120)
+    _, err = u.communicate(timeout=60)
+    return u.returncode, err
+
+
+def _kill(m: Any) -> None:
+    """SIGKILL the daemon (nothing of its stop runs), then detach the dead mount."""
+    os.killpg(m.proc.pid, signal.SIGKILL)
+    m.proc.wait(30)
+    subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)], capture_output=True)
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _drained(m: Any) -> bool:
+    d = m.status()["drain"]
+    return not d["queued"]
+
+
+REMOVED = {"b0", "b1", "b2", "b3", "d0", "d1", "bd", "b4", "d2"}  # b4 and d2 were renamed
+KEPT = {"b4r", "d2r", "b5", "d3", "big.pt"}
+
+
+@pytest.mark.parametrize("remount", ["drain", "no-drain"])
+@pytest.mark.parametrize("stop", ["wait", "no-wait-drain", "sigkill"])
+def test_removed_and_renamed_names_stay_so_whatever_the_flags(tmp_path: Path, mounter, stop: str,
+                                                              remount: str) -> None:
+    ck = Setup(tmp_path)
+    (ck.back / "bd").mkdir()
+    for i in range(6):
+        (ck.back / f"b{i}").write_bytes(f"backing {i}".encode() * 1000)
+    (ck.back / "bd" / "inner").write_bytes(b"inner")
+    m = mounter(ck.args(), ck.mnt)
+    for i in range(4):
+        _write(ck.mnt / f"d{i}", f"device {i}".encode() * 1000)
+    wait_until(lambda: _drained(m), what="the device files drained")
+    assert {f"d{i}" for i in range(4)} <= set(os.listdir(ck.back))
+    _write(ck.mnt / "big.pt", os.urandom(48 * MiB))  # the drain copies it while the changes queue behind
+    for name in ("b0", "b1", "b2", "b3", "d0", "d1"):
+        os.unlink(ck.mnt / name)
+    os.unlink(ck.mnt / "bd" / "inner")
+    os.rmdir(ck.mnt / "bd")
+    os.rename(ck.mnt / "b4", ck.mnt / "b4r")
+    os.rename(ck.mnt / "d2", ck.mnt / "d2r")
+    assert set(os.listdir(ck.mnt)) == KEPT
+    if stop == "sigkill":
+        _kill(m)
+    else:
+        rc, err = _unmount(m, *(["--no-wait-drain"] if stop == "no-wait-drain" else []))
+        assert rc == 0, err
+    m2 = mounter(ck.args(*(["--no-drain"] if remount == "no-drain" else [])), ck.mnt)
+    assert set(os.listdir(ck.mnt)) == KEPT
+    assert (ck.mnt / "b4r").read_bytes() == b"backing 4" * 1000
+    assert (ck.mnt / "d2r").read_bytes() == b"device 2" * 1000
+    rc, err = _unmount(m2)
+    assert rc == 0, err
+    backing = set(os.listdir(ck.back))
+    assert not backing & REMOVED, backing
+    assert {"b4r", "b5"} <= backing
+    if remount == "drain":
+        assert backing == KEPT
+
+
+def test_unmount_without_waiting_says_what_is_left_and_the_next_mount_finishes_it(tmp_path: Path,
+                                                                                mounter) -> None:
+    ck = Setup(tmp_path)
+    m = mounter(ck.args(), ck.mnt)
+    data = os.urandom(64 * MiB)
+    _write(ck.mnt / "ckpt.pt", data)
+    rc, err = _unmount(m, "--no-wait-drain")
+    assert rc == 0, err
+    if not (ck.back / "ckpt.pt").exists():  # the drain had not finished: the unmount says so
+        assert "left" in err, err
+    m2 = mounter(ck.args(), ck.mnt)
+    wait_until(lambda: _drained(m2), what="the drain finished by the next mount")
+    rc, err = _unmount(m2)
+    assert rc == 0, err
+    assert (ck.back / "ckpt.pt").read_bytes() == data
+
+
+def test_unmount_of_a_daemon_that_died_is_not_called_clean(tmp_path: Path, mounter) -> None:
+    ck = Setup(tmp_path)
+    m = mounter(ck.args(), ck.mnt)
+    _write(ck.mnt / "x.pt", b"x" * 4096)
+    assert m.status()["unmount_report"]
+    os.kill(m.proc.pid, signal.SIGSTOP)  # a hung daemon: the command must neither hang nor say "clean"
+    u = subprocess.Popen(FSD + ["unmount", "--lazy", "--timeout", "3", str(ck.mnt)], cwd=REPO,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = u.communicate(timeout=120)
+    finally:
+        os.kill(m.proc.pid, signal.SIGKILL)
+        m.proc.wait(30)
+    assert u.returncode == 1, err
+    assert "status could not be read" in err, err
