@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from fsd.ckpt.drain import TMP_SUFFIX
+from fsd.ckpt.drain import TMP_SUFFIX, data_segments
 from fsd.status import CONTROL_DIR
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,15 @@ class BackingReader:
             return memoryview(o.blocks[first])[off - first * B:end - first * B]
         return b"".join(memoryview(o.blocks[b])[max(off, b * B) - b * B:min(end, (b + 1) * B) - b * B]
                         for b in range(first, last + 1))
+
+    async def data_ranges(self, nid: int, rel: str, size: int) -> list[tuple[int, int]]:
+        """``(offset, length)`` of the data of backing file *rel* below *size*: its holes skipped."""
+        o = self._state(nid, rel, size)
+
+        def ranges() -> list[tuple[int, int]]:
+            return data_segments(self._fd(o), size)
+
+        return await trio.to_thread.run_sync(ranges, limiter=self.limiter)
 
     async def _load(self, nid: int, o: _Open, b: int) -> None:
         try:

@@ -97,7 +97,7 @@ def is_drained(backing_fd: int, rel: str, size: int, mtime_ns: int) -> bool:
     return st.st_size == size and st.st_mtime_ns == mtime_ns
 
 
-def _data_segments(fd: int, end: int) -> list[tuple[int, int]]:
+def data_segments(fd: int, end: int) -> list[tuple[int, int]]:
     """Blocking: data ranges ``(offset, length)`` of *fd* below *end*, holes skipped (SEEK_DATA and
     SEEK_HOLE: one pair per data segment); all of it below *end* if the filesystem cannot tell."""
     out: list[tuple[int, int]] = []
@@ -140,7 +140,7 @@ def _copy_blocks(fds: list[int | None], layout: Layout, size: int) -> Iterator[t
 
     def ranges_of(d: int, fd: int) -> Iterator[tuple[int, int]]:
         """Device *d*'s data as file ranges, in file order (its local order is its file order)."""
-        for lo, n in _data_segments(fd, lengths[d]):
+        for lo, n in data_segments(fd, lengths[d]):
             yield from layout.file_ranges(d, lo, n)
 
     ranges = heapq.merge(*(ranges_of(d, fd) for d, fd in enumerate(fds) if fd is not None))

@@ -114,14 +114,17 @@ class UnionView:
         await self.materialize(self.tree.nodes[node.parent])
         old = node.fs
         fs = self.wb.add_file(FileState(node.id, self.layout(node.id), label=old.label))
-        if keep:
-            off = 0
-            while off < old.size:
-                data = await self.reader.read(node.id, node.backing_rel, old.size, off, self.reader.block)
-                if not data:
-                    break
-                await self.wb.write(fs, off, data)
-                off += len(data)
+        if keep:  # its data only: holes stay holes on the devices too
+            for start, length in await self.reader.data_ranges(node.id, node.backing_rel, old.size):
+                off = start
+                while off < start + length:
+                    n = min(self.reader.block, start + length - off)
+                    data = await self.reader.read(node.id, node.backing_rel, old.size, off, n)
+                    if not data:
+                        break
+                    await self.wb.write(fs, off, data)
+                    off += len(data)
+            await self.wb.truncate(fs, old.size)  # the size past the last data (growing: no I/O)
         await self.reader.release(node.id)
         node.fs = fs
         node.backing = False

@@ -129,3 +129,31 @@ def test_holes_stay_holes_in_the_backing_directory(ck: Setup, mounter: Any) -> N
     dev_blocks, back_blocks = ck.device_blocks(), p.stat().st_blocks
     assert dev_blocks * 512 <= 64 * MiB  # the devices held it sparse
     assert back_blocks <= dev_blocks + 8 * len(islands), (back_blocks, dev_blocks)
+
+
+def test_changing_a_sparse_backing_file_moves_only_its_data_to_the_devices(ck: Setup, mounter: Any) -> None:
+    """The first change of a backing file copies it to the devices: its data, not its holes (an
+    8 GiB sparse checkpoint must not fill the devices); drained back, it stays sparse."""
+    size = 8 * GiB
+    islands = {0: os.urandom(4096), 3 * GiB + 123: os.urandom(70_000), size - 7: os.urandom(7)}
+    p = ck.back / "pre.bin"
+    with open(p, "wb") as f:
+        f.truncate(size)
+        for off, b in islands.items():
+            f.seek(off)
+            f.write(b)
+    m = mounter(ck.args(), ck.mnt)
+    fd = os.open(ck.mnt / "pre.bin", os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"new", 5 * GiB)
+    finally:
+        os.close(fd)
+    islands[5 * GiB] = b"new"
+    for off, b in islands.items():
+        assert _pread(ck.mnt / "pre.bin", off, len(b)) == b
+    assert os.stat(ck.mnt / "pre.bin").st_size == size
+    _unmount(m)
+    assert ck.device_blocks() * 512 <= 16 * MiB  # was: 8 GiB of zeros copied onto the devices
+    for off, b in islands.items():
+        assert _pread(p, off, len(b)) == b
+    assert p.stat().st_size == size and p.stat().st_blocks * 512 <= 16 * MiB
