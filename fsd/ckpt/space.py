@@ -48,11 +48,14 @@ class SpaceManager:
 
     def room_may_come(self) -> bool:
         """Something is evictable now, or will be once drained: a copy is queued, or a closed
-        file on the devices is being finished for the drain."""
+        file on the devices is being finished for the drain. A closed file whose own flush waits
+        for room is not: two such files would wait for each other for ever."""
         if self.evicting or self.candidates() or self.feed.drainer.queued_bytes:
             return True
+        waiting = self.wb.flusher.waiting_room
         return any(n.kind == "file" and n.linked and not n.backing and n.writers == 0 and n.fs is not None
-                   and n.fs.id in self.wb.files and n.fs.error is None and not self.feed.drained(n)
+                   and n.fs.id in self.wb.files and n.fs.id not in waiting and n.fs.error is None
+                   and not self.feed.drained(n)
                    for n in self.tree.nodes.values())
 
     def _top(self, node: Node) -> int:
@@ -61,16 +64,16 @@ class SpaceManager:
             n = self.tree.nodes[n.parent]
         return n.id
 
-    def candidates(self) -> list[Node]:
+    def candidates(self, keep: int | None = None) -> list[Node]:
         """Evictable files, oldest first: on the devices, clean, closed, drained, outside the
-        ``keep`` most recent top-level entries."""
+        ``keep`` (default: the mount's) most recent top-level entries."""
         files = [n for n in self.tree.nodes.values()
                  if n.kind == "file" and n.linked and not n.backing and n.fs is not None and n.fs.id in self.wb.files]
         newest: dict[int, int] = {}
         for n in files:
             t = self._top(n)
             newest[t] = max(newest.get(t, 0), n.mtime_ns)
-        kept = set(sorted(newest, key=newest.__getitem__, reverse=True)[:self.keep])
+        kept = set(sorted(newest, key=newest.__getitem__, reverse=True)[:self.keep if keep is None else keep])
         out = [n for n in files
                if self._top(n) not in kept and n.published and not n.modified and n.open_count == 0
                and n.fs is not None and not n.fs.chunks and not n.fs.inflight and self.feed.drained(n)]
@@ -93,6 +96,14 @@ class SpaceManager:
                 if self.room_may_come():
                     with trio.move_on_after(0.1):  # also a close-time publish that submits a copy
                         await self.feed.drainer.progressed()
+                    continue
+                kept = self.candidates(keep=0)  # the recent checkpoints' drained files, before ENOSPC
+                if kept:
+                    log.warning("devices full: evicting %s although it is among the %d most recent checkpoints",
+                                self.tree.path(kept[0]), self.keep)
+                    await self.evict(kept[0])
+                    self.wb.flusher.retry_room()
+                    await trio.sleep(0)
                     continue
                 log.error("devices full of undrained data: ENOSPC to the writers")
                 self.wb.flusher.fail_room()
