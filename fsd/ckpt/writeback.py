@@ -52,26 +52,6 @@ class WriteBack:
         self.loads = 0  # read-modify-write loads of flushed chunks
 
     @property
-    def dirty_limit(self) -> int:
-        return self.pool.dirty_limit
-
-    @property
-    def ram_bytes(self) -> int:
-        return self.pool.ram_bytes
-
-    @property
-    def peak_ram_bytes(self) -> int:
-        return self.pool.peak_ram_bytes
-
-    @property
-    def ra_stripes(self) -> int:
-        return self.readahead.stripes
-
-    @property
-    def lost_bytes(self) -> int:
-        return self.flusher.lost_bytes
-
-    @property
     def dirty_bytes(self) -> int:
         """Bytes of file data in RAM not yet on devices."""
         return sum(len(f.chunks) for f in self.files.values()) * self.chunk_size
@@ -271,7 +251,7 @@ class WriteBack:
         if size >= f.size:
             f.size = size
             return
-        await self.wait_idle(f)
+        await self.flusher.wait_idle(f)
         c = self.chunk_size
         for ci in [ci for ci in f.chunks if ci * c >= size]:
             self.pool.free(f.chunks.pop(ci))
@@ -292,14 +272,6 @@ class WriteBack:
             f.dev_blocks = await trio.to_thread.run_sync(cut, limiter=self.io_limiter)
 
     # -- flushing (see fsd.ckpt.flusher) ------------------------------------------------------
-    async def wait_idle(self, f: FileState) -> None:
-        """Wait until no flush job of *f* is in flight."""
-        await self.flusher.wait_idle(f)
-
-    async def drain_file(self, f: FileState) -> None:
-        """Queue all of *f*'s dirty data and wait until it is on the devices (not yet synced)."""
-        await self.flusher.drain_file(f)
-
     async def sync(self, f: FileState) -> None:
         """Make *f*'s data durable on every device it touched (fsync semantics)."""
         await self.flusher.sync(f)
@@ -310,7 +282,7 @@ class WriteBack:
 
     async def discard(self, f: FileState) -> None:
         """Drop *f* entirely: RAM, in-flight jobs, and its data files on every device."""
-        await self.wait_idle(f)
+        await self.flusher.wait_idle(f)
         await self.readahead.settle(f)  # read-ahead threads use the fds that delete() closes
         for ch in f.chunks.values():
             self.pool.free(ch)
@@ -333,12 +305,12 @@ class WriteBack:
         """JSON-able counters."""
         return {
             "dirty_bytes": self.dirty_bytes,
-            "ram_bytes": self.ram_bytes,
-            "peak_ram_bytes": self.peak_ram_bytes,
-            "dirty_limit": self.dirty_limit,
+            "ram_bytes": self.pool.ram_bytes,
+            "peak_ram_bytes": self.pool.peak_ram_bytes,
+            "dirty_limit": self.pool.dirty_limit,
             "writers_blocked": self.pool.waiting_writers,
-            "lost_bytes": self.lost_bytes,
+            "lost_bytes": self.flusher.lost_bytes,
             "rmw_loads": self.loads,
-            "readahead_stripes": self.ra_stripes,
+            "readahead_stripes": self.readahead.stripes,
             "devices": [d.status() for d in self.devices],
         }

@@ -120,7 +120,7 @@ def test_writeback_random_writes_truncates_match_a_model(tmp_path: Path) -> None
             off = rng.randrange(0, len(model) + 10)
             got = await wb.read(f, off, 300_000)
             assert got == bytes(model[off:off + 300_000]), step
-            assert wb.ram_bytes <= wb.dirty_limit
+            assert wb.pool.ram_bytes <= wb.pool.dirty_limit
         await wb.sync(f)
         assert await wb.read(f, 0, len(model) + 5) == bytes(model)
         await wb.stop()
@@ -164,7 +164,7 @@ def test_backpressure_bounds_memory_and_other_tasks_keep_running(tmp_path: Path,
                 await wb.write(f, off, data[off:off + MiB])
             await wb.sync(f)
             n.cancel_scope.cancel()
-        assert wb.peak_ram_bytes <= limit
+        assert wb.pool.peak_ram_bytes <= limit
         assert blocked_seen and ticks > 20  # the loop kept serving while the writer waited
         assert await wb.read(f, 0, len(data)) == data
         await wb.stop()
@@ -268,7 +268,7 @@ def test_sequential_restore_prefetches_stripes_and_stays_coherent_with_writes(tm
             while len(got) < len(data):
                 got += await wb.read(f, len(got), 128 * 1024)
             assert got == data
-            assert wb.ra_stripes >= 10  # served from parallel whole-stripe loads
+            assert wb.readahead.stripes >= 10  # served from parallel whole-stripe loads
             # a write after prefetching must not be shadowed by stale prefetched stripes
             assert await wb.read(f, 0, 4096) == data[:4096]  # prefetches stripes 0..8
             await trio.sleep(0.3)
