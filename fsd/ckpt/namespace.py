@@ -72,7 +72,7 @@ class Namespace:
                             threads_per_device=threads_per_device)
         # a pending change's record left by an earlier mount keeps its place in the sequence
         self.meta = MetaStore(self.device_roots, max(rec.next_seq, pending.newest_seq(self.device_roots) + 1))
-        self.meta.on_error = self._manifest_error
+        self.meta.on_error = self.wb.manifest_error
         self.next_id = rec.next_id
         self._uid_index = {u: i for i, u in enumerate(self.device_ids)}
         self.failed: dict[str, str] = {}
@@ -250,6 +250,7 @@ class Namespace:
             if node.fs is not None:
                 node.fs.label = os.fsdecode(name_new)
             complete = node.children is not None or node.backing or (node.writers == 0 and self._clean(node))
+            version = node.version
             try:
                 if not node.backing:
                     await self._publish(node, STATE_COMPLETE if complete else STATE_WRITING)
@@ -257,7 +258,7 @@ class Namespace:
                 node.parent, node.name, node.ctime_ns = old_parent, old_name, old_ctime
                 raise
             node.published = complete and not node.backing
-            if complete:
+            if complete and node.version == version:  # a truncate begun meanwhile keeps it modified
                 node.modified = False
             del src_dir.children[old_name]
             src_dir.mtime_ns = src_dir.ctime_ns = node.ctime_ns
@@ -324,8 +325,8 @@ class Namespace:
             node.mtime_ns = mtime_ns
         node.ctime_ns = time.time_ns() if ctime_ns is None else ctime_ns
         node.meta_version += 1
-        if node.linked and any(v is not None for v in (mode, uid, gid, atime_ns, mtime_ns)):
-            self._backing_change("meta", node)
+        if node.linked and self.feed is not None and (mode, uid, gid, atime_ns, mtime_ns) != (None,) * 5:
+            self.feed.change("meta", node, self.path(node))
         if node.backing:  # no manifest: the backing directory keeps it
             node.meta_durable = node.meta_version
             return
@@ -418,8 +419,12 @@ class Namespace:
             self.wb.check_size(node.fs, off + 1)
         if node.backing and self.union is not None:
             await self.union.take_over(node, keep=True)
-        await self._begin_modify(node)
-        return await self.wb.write(node.fs, off, buf)
+        node.changing += 1
+        try:
+            await self._begin_modify(node)
+            return await self.wb.write(node.fs, off, buf)
+        finally:
+            self._changed(node)
 
     async def truncate(self, node: Node, size: int, *, opening_writer: bool = False) -> None:
         """Set *node*'s size. Unless a writer is opening it (O_TRUNC) or has it open, no close will
@@ -435,8 +440,12 @@ class Namespace:
                 node.mtime_ns = node.ctime_ns = time.time_ns()
                 node.meta_version += 1
             return
-        await self._begin_modify(node)
-        await self.wb.truncate(node.fs, size)
+        node.changing += 1
+        try:
+            await self._begin_modify(node)
+            await self.wb.truncate(node.fs, size)
+        finally:
+            self._changed(node)
         if not opening_writer and node.writers == 0 and node.linked:
             self.tasks.spawn(self._finish_closed, node)
 
@@ -453,11 +462,6 @@ class Namespace:
     async def _materialize(self, d: Node) -> None:
         if d.backing and self.union is not None:
             await self.union.materialize(d)
-
-    def _backing_change(self, op: str, node: Node) -> None:
-        """The backing directory follows the view: queue *op* of *node*'s path there."""
-        if self.feed is not None:
-            self.feed.change(op, node, self.path(node))
 
     async def _record_change(self, op: str, node: Node, rel: str, dst: str = "") -> DrainJob | None:
         """Before the view's unlink, rmdir or rename of *rel*: its record, durable on the devices
@@ -486,18 +490,15 @@ class Namespace:
     async def _publish(self, node: Node, state: str, *, durable: bool = True) -> None:
         """Write *node*'s manifest on every device (callers hold ``meta.lock``)."""
         meta_version = node.meta_version
-        await self.meta.publish(self._manifest(node, state), durable=durable)
+        complete = state == STATE_COMPLETE
+        node.publishing += complete
+        try:
+            await self.meta.publish(self._manifest(node, state), durable=durable)
+        finally:
+            node.publishing -= complete
         node.recorded = True
         if state == STATE_COMPLETE and durable:
             node.meta_durable = max(node.meta_durable, meta_version)
-
-    def _manifest_error(self, root: Path, exc: OSError) -> None:
-        """A manifest write failed on device *root*: count it there (status names it)."""
-        for dev in self.wb.devices:
-            if dev.root == root:
-                dev.errors += 1
-                dev.last_error = f"{exc.strerror or exc} writing a manifest"
-                log.error("device %d (%s): %s", dev.index, root, dev.last_error)
 
     def _new_node(self, parent: Node, name: bytes, kind: str, mode: int, uid: int, gid: int) -> Node:
         nid = self.next_id
@@ -526,12 +527,20 @@ class Namespace:
         elif node.fs is None and node.nlookup == 0:
             self.nodes.pop(node.id, None)
 
+    def _changed(self, node: Node) -> None:
+        """A write or truncate has its bytes in the write-back (or failed): a durability wait may go on."""
+        node.changing -= 1
+        if node.fs is not None:
+            node.fs.notify()
+
     async def _begin_modify(self, node: Node) -> None:
-        """Before the first change of a published file: durably mark it ``writing``."""
+        """Before the first change of a published file: durably mark it ``writing``. A complete
+        manifest being written is waited for (the lock), then marked over: it describes the file
+        before this change."""
         node.version += 1
         node.modified = True
         node.mtime_ns = node.ctime_ns = time.time_ns()
-        if node.published:
+        if node.published or node.publishing:
             async with self.meta.lock:
                 if node.published:
                     if node.linked:
@@ -541,12 +550,18 @@ class Namespace:
     def _clean(self, node: Node) -> bool:
         fs = node.fs
         assert fs is not None
-        return not fs.chunks and not fs.inflight and not fs.unsynced and fs.error is None
+        return (not fs.chunks and not fs.inflight and not fs.unsynced and fs.error is None
+                and not node.changing)
 
     async def _make_durable(self, node: Node, *, publish: bool) -> None:
-        """Data durable on every device, then (optionally) a complete manifest."""
+        """Data durable on every device, then (optionally) a complete manifest; first the writes
+        and truncates begun are waited for (a manifest must not call a file clean before them)."""
         assert node.fs is not None
+        if node.backing:  # nothing of it on the devices: the backing file is its durable copy
+            return
         while True:
+            while node.changing:
+                await node.fs.changed.wait()
             version = node.version
             await self.wb.sync(node.fs)
             if not publish or not node.linked:
@@ -557,8 +572,8 @@ class Namespace:
                 if self._clean(node) and node.version == version:
                     if not node.published or node.meta_dirty:
                         await self._publish(node, STATE_COMPLETE)
-                        node.published = True
-                    node.modified = False
+                        node.published = True  # a change begun meanwhile marks it writing next
+                    node.modified = node.version != version
                     return
             # written meanwhile: sync again
 

@@ -59,6 +59,8 @@ class Node:
     modified: bool = False  # changed since the last complete publish
     linked: bool = True  # reachable by a name
     finishing: bool = False  # a background close-publish is running
+    publishing: int = 0  # complete manifests being written (a change must wait, then mark it writing)
+    changing: int = 0  # writes and truncates between marking the file modified and their bytes in RAM
     version: int = 0  # bumped on every modification (drain uses it)
     meta_version: int = 0  # bumped by every chmod/chown/utime
     meta_durable: int = 0  # the meta_version of the last complete manifest

@@ -295,6 +295,14 @@ class WriteBack:
 
         await trio.to_thread.run_sync(rm, limiter=self.io_limiter)
 
+    def manifest_error(self, root: Path, exc: OSError) -> None:
+        """A manifest write failed on device *root*: count it there (status names it)."""
+        for dev in self.devices:
+            if dev.root == root:
+                dev.errors += 1
+                dev.last_error = f"{exc.strerror or exc} writing a manifest"
+                log.error("device %d (%s): %s", dev.index, root, dev.last_error)
+
     def close_write_fds(self, f: FileState) -> None:
         """Close cached O_DIRECT write fds of *f* once it is durable (cheap; loop-safe)."""
         for dev in self.devices:

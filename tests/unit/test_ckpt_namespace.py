@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from conftest import device_dirs
 
 from fsd.ckpt import manifest as mf
@@ -188,3 +189,86 @@ def test_namespace_refusals_carry_their_errno(tmp_path: Path) -> None:
         assert ns.path(f) == "d/f" and sorted(d.children or {}) == [b"f", b"sub"]
 
     _run(devs, body)
+
+
+def _gate_complete_publishes(ns: Namespace, name: str) -> tuple[trio.Event, trio.Event]:
+    """Hold the next complete manifest of *name* in its write until the returned gate is set."""
+    entered, gate = trio.Event(), trio.Event()
+    real = ns.meta.publish
+
+    async def gated(m: mf.Manifest, *, durable: bool = True) -> None:
+        if m.name == name and m.state == mf.STATE_COMPLETE and not gate.is_set():
+            entered.set()
+            await gate.wait()
+        await real(m, durable=durable)
+
+    ns.meta.publish = gated  # type: ignore[method-assign]
+    return entered, gate
+
+
+def test_a_write_during_a_closes_publish_is_marked_and_its_fsync_publishes_it(tmp_path: Path) -> None:
+    """Write, close, at once reopen, extend and fsync, then crash: the fsync'ed size is there.
+    The close's publish was in flight when the write began: it then left the file published and
+    clean, and the fsync returned without a manifest of the new size (14 of 40 files lost in a
+    SIGKILL reproduction)."""
+    devs = device_dirs(tmp_path, 3)
+    first, more = os.urandom(100_000), os.urandom(50_000)
+
+    async def main() -> None:
+        ns = Namespace(devs, stripe_size=64 * KiB, dirty_limit=4 << 20, threads_per_device=1, chunk_size=64 * KiB)
+        async with trio.open_nursery() as nursery:
+            await ns.start(nursery)
+            entered, gate = _gate_complete_publishes(ns, "f")
+            node = await _write_file(ns, ns.nodes[ROOT_ID], b"f", first, fsync=False)  # the close publishes
+            await entered.wait()
+            ns.opened(node, writable=True)
+            async with trio.open_nursery() as n:
+                n.start_soon(ns.write, node, len(first), more)
+                await trio.testing.wait_all_tasks_blocked()
+                gate.set()
+            await ns.fsync(node)
+            ns.closed(node, writable=True)
+            await ns.wait_finished()
+            await ns.wb.stop()  # no settle, no final publish: as if killed here
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    got, _ = _run(devs, lambda ns: _read_path(ns, "f"))
+    assert got == first + more
+
+
+def test_fsync_of_a_file_of_the_backing_directory_leaves_it_there(tmp_path: Path) -> None:
+    """A reader's fsync of a backing file published a complete manifest of a file with no data
+    on the devices: the next mount read it as zeros."""
+    devs = device_dirs(tmp_path, 2)
+    back = tmp_path / "backing"
+    back.mkdir()
+    data = os.urandom(70_000)
+    (back / "old.pt").write_bytes(data)
+    bfd = os.open(back, os.O_RDONLY | os.O_DIRECTORY)
+
+    def run(body: Callable[[Namespace], Awaitable[Any]]) -> Any:
+        async def main() -> Any:
+            ns = Namespace(devs, stripe_size=64 * KiB, dirty_limit=4 << 20, threads_per_device=1,
+                           chunk_size=64 * KiB, backing_fd=bfd)
+            async with trio.open_nursery() as nursery:
+                await ns.start(nursery)
+                out = await body(ns)
+                await ns.stop()
+                nursery.cancel_scope.cancel()
+            return out
+
+        return trio.run(main)
+
+    async def fsync_it(ns: Namespace) -> None:
+        node = ns.child(ns.nodes[ROOT_ID], b"old.pt")
+        ns.opened(node, writable=False)
+        await ns.fsync(node)
+        ns.closed(node, writable=False)
+
+    try:
+        run(fsync_it)
+        assert _manifests(devs) == {}
+        assert run(lambda ns: _read_path(ns, "old.pt")) == data
+    finally:
+        os.close(bfd)
