@@ -15,6 +15,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -85,6 +86,11 @@ class BackingReader:
         self.ahead = ahead
         self.limiter = trio.CapacityLimiter(ahead)
         self.nursery: trio.Nursery | None = None
+        # a backing file renamed through the view moves when the drainer applies the rename: an
+        # open that finds no file waits for the change in progress (``moved``), then takes the
+        # node's path again (``path_of``)
+        self.moved: Callable[[], Awaitable[None]] | None = None
+        self.path_of: Callable[[int], str | None] | None = None
         self._files: dict[int, _Open] = {}
         self.bytes_read = 0
         self.read_s = 0.0
@@ -99,6 +105,20 @@ class BackingReader:
         if o.fd < 0:  # first read: opened on a worker thread, kept until release()
             o.fd = os.open(o.rel, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=self.backing_fd)
         return o.fd
+
+    async def _open(self, nid: int, o: _Open) -> None:
+        """Open *o*'s file on a worker thread, across a rename the drainer is applying right now."""
+        try:
+            await trio.to_thread.run_sync(self._fd, o, limiter=self.limiter)
+        except FileNotFoundError:
+            if self.moved is None or self.path_of is None:
+                raise
+            await self.moved()
+            rel = self.path_of(nid)
+            if rel is None or rel == o.rel:
+                raise
+            o.rel = rel
+            await trio.to_thread.run_sync(self._fd, o, limiter=self.limiter)
 
     def _pread(self, o: _Open, off: int, n: int) -> bytes:
         t0 = time.perf_counter()
@@ -122,7 +142,8 @@ class BackingReader:
         if off >= end:
             return b""
         if o.fd < 0:
-            await trio.to_thread.run_sync(self._fd, o, limiter=self.limiter)
+            o.rel = rel  # the node's path now (it may have been renamed since the last read)
+            await self._open(nid, o)
         B = self.block
         sequential = off == 0 or abs(off - o.read_end) <= 2 * B
         o.read_end = end
@@ -150,6 +171,9 @@ class BackingReader:
     async def data_ranges(self, nid: int, rel: str, size: int) -> list[tuple[int, int]]:
         """``(offset, length)`` of the data of backing file *rel* below *size*: its holes skipped."""
         o = self._state(nid, rel, size)
+        if o.fd < 0:
+            o.rel = rel
+            await self._open(nid, o)
 
         def ranges() -> list[tuple[int, int]]:
             return data_segments(self._fd(o), size)

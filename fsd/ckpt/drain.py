@@ -61,6 +61,10 @@ class DrainJob:
     atime_ns: int = 0
     uid: int = -1  # -1: left as it is
     gid: int = -1
+    # copy: the backing file may hold this content already, from an earlier mount (a whole-tree
+    # submission): skipped if its size and mtime match; a copy of a file just finished never is
+    maybe_drained: bool = False
+    backing: bool = False  # meta: the node's content is the backing file's (its times apply)
     pending: int = 0  # seq of its record on the devices (fsd.ckpt.pending), forgotten once applied
 
 
@@ -243,10 +247,12 @@ def _pwrite_all(fd: int, view: memoryview, off: int) -> None:
         view, off = view[n:], off + n
 
 
-def apply_change(job: DrainJob, backing_fd: int) -> None:
-    """Blocking: apply an unlink, rmdir, rename or meta job; what is already gone is no error."""
+def apply_change(job: DrainJob, backing_fd: int, *, times: bool = True) -> None:
+    """Blocking: apply an unlink, rmdir, rename, mkdir or meta job (the times only if *times*: not
+    on a copy of older content, whose mtime must keep telling it is older); what is already gone
+    is no error."""
     try:
-        pfd, base = _open_parent(backing_fd, job.rel, create=False)
+        pfd, base = _open_parent(backing_fd, job.rel, create=job.op == "mkdir")
     except (FileNotFoundError, NotADirectoryError):
         return
     try:
@@ -254,10 +260,16 @@ def apply_change(job: DrainJob, backing_fd: int) -> None:
             os.unlink(base, dir_fd=pfd)
         elif job.op == "rmdir":
             os.rmdir(base, dir_fd=pfd)
-        elif job.op == "meta":
+        elif job.op in ("meta", "mkdir"):
+            if job.op == "mkdir":
+                try:
+                    os.mkdir(base, 0o700, dir_fd=pfd)
+                except FileExistsError:
+                    pass
             os.chown(base, job.uid, job.gid, dir_fd=pfd, follow_symlinks=False)
             os.chmod(base, job.mode & 0o7777, dir_fd=pfd, follow_symlinks=False)
-            os.utime(base, ns=(job.atime_ns, job.mtime_ns), dir_fd=pfd, follow_symlinks=False)
+            if times:
+                os.utime(base, ns=(job.atime_ns or job.mtime_ns, job.mtime_ns), dir_fd=pfd, follow_symlinks=False)
         elif job.op == "rename":
             dfd, dbase = _open_parent(backing_fd, job.dst)
             try:
@@ -369,8 +381,8 @@ class Drainer:
             return
         t0 = time.perf_counter()
         try:
-            done = await trio.to_thread.run_sync(is_drained, self.backing_fd, rel, job.size, job.mtime_ns,
-                                                 limiter=self.limiter)
+            done = job.maybe_drained and await trio.to_thread.run_sync(
+                is_drained, self.backing_fd, rel, job.size, job.mtime_ns, limiter=self.limiter)
             if not done:
                 await trio.to_thread.run_sync(copy_out, self.device_roots, job, self.backing_fd, self._stop_copy,
                                               limiter=self.limiter, abandon_on_cancel=True)
@@ -396,11 +408,17 @@ class Drainer:
     def _apply_change(self, job: DrainJob) -> None:
         """Blocking: apply a change, then forget its record (also when it failed: the error is
         reported, and a record kept would undo a later change of the path at the next mount)."""
+        times = job.op != "meta" or job.backing or self.is_drained(job.id, job.version, job.rel)
         try:
-            apply_change(job, self.backing_fd)
+            apply_change(job, self.backing_fd, times=times)
         finally:
             if job.pending:
                 pending.forget(self.device_roots, job.pending)
+
+    async def settled(self) -> None:
+        """Wait until the job being applied now, if any, is done (its path changes made)."""
+        if self._busy:
+            await self._progress.wait()
 
     async def progressed(self) -> None:
         """Wait until the next job has been handled."""

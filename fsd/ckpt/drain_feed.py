@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fsd.ckpt import pending
 from fsd.ckpt.drain import DrainJob, Drainer
-from fsd.ckpt.manifest import MetaStore
+from fsd.ckpt.manifest import ROOT_ID, MetaStore
 from fsd.ckpt.node import Node
 from fsd.ckpt.tree import Tree
 
@@ -24,28 +24,38 @@ class DrainFeed:
         drainer.current = self.current
         drainer.renamed = self.renamed
 
-    def submit(self, node: Node) -> None:
+    def submit(self, node: Node, *, maybe_drained: bool = False) -> None:
         """Queue *node* (finished: closed, complete manifest durable) for the backing directory."""
         if not self.copies or node.backing or node.fs is None:
             return
         self.drainer.submit(DrainJob(node.id, node.version, self.tree.path(node), node.fs.size, node.fs.layout,
                                      mode=node.mode, mtime_ns=node.mtime_ns, atime_ns=node.atime_ns,
-                                     uid=node.uid, gid=node.gid))
+                                     uid=node.uid, gid=node.gid, maybe_drained=maybe_drained))
+
+    def submit_dir(self, node: Node) -> None:
+        """Queue directory *node* for the backing directory (an empty one too: a mount on new
+        devices must find it)."""
+        if self.copies and not node.backing:
+            self.change("mkdir", node, self.tree.path(node))
 
     def submit_tree(self, top: Node | None = None) -> None:
-        """Queue every published file (under *top*): at start, what an earlier mount did not drain;
-        after a directory rename, its files under their new names (a drained copy moved with the
-        directory is recognised and not copied again)."""
-        for node in list(self.tree.nodes.values()):
-            if node.kind == "file" and node.published and node.linked and (
-                    top is None or self.tree.is_ancestor(top, node)):
-                self.submit(node)
+        """Queue every directory and published file (under *top*), parents first: at start, what
+        an earlier mount did not drain; after a directory rename, its files under their new names
+        (a copy that an earlier mount drained is recognised by size and mtime, not copied again)."""
+        nodes = [n for n in self.tree.nodes.values() if n.linked and n.id != ROOT_ID and (
+            top is None or self.tree.is_ancestor(top, n))]
+        for node in sorted(nodes, key=self.tree.path):
+            if node.kind == "dir":
+                self.submit_dir(node)
+            elif node.published:
+                self.submit(node, maybe_drained=True)
 
     def change(self, op: str, node: Node, rel: str, dst: str = "") -> None:
         """Queue a change of the view that needs no record (``meta``: a node's next complete
         manifest carries it) for the backing directory."""
         self.drainer.submit(DrainJob(node.id, node.version, rel, op=op, dst=dst, mode=node.mode,
-                                     mtime_ns=node.mtime_ns, atime_ns=node.atime_ns, uid=node.uid, gid=node.gid))
+                                     mtime_ns=node.mtime_ns, atime_ns=node.atime_ns, uid=node.uid, gid=node.gid,
+                                     backing=node.backing))
 
     async def record(self, op: str, node: Node, rel: str, dst: str = "") -> DrainJob:
         """The job of an ``unlink``, ``rmdir`` or ``rename`` (to *dst*) of *rel*, recorded durably on

@@ -5,23 +5,8 @@ No FUSE here. :mod:`fsd.ckpt.operations` translates requests into these calls; t
 File data goes through :mod:`fsd.ckpt.writeback`, durable metadata through :mod:`fsd.ckpt.manifest`, and
 finished files to :mod:`fsd.ckpt.drain`. Errors are ``OSError`` with an errno.
 
-Durability rules (why the ordering below is safe after kill -9):
-
-* A file's manifest is *complete* only when its data up to ``size`` has been
-  fdatasync'ed on every device; then it owns its name (see :mod:`fsd.ckpt.recovery`).
-* create writes a non-durable ``writing`` manifest (so a crash can report the
-  file by name); the first modification of a complete file durably marks it
-  ``writing`` before any new byte can reach a device.
-* fsync/fdatasync: flush, fdatasync devices, publish complete. The last writer's
-  close starts the same in the background and does not wait.
-* mkdir/rmdir/unlink/rename are durable when they return. rename first makes
-  the source's data durable, then publishes it under the new name, then removes
-  the replaced node's manifest: a crash leaves the old or the new state.
-* chmod/chown/utime (files and directories) are published with the node's next
-  complete manifest: at fsync/fsyncdir, the last writer's close, unmount, and in
-  the background at once when no writer has the node open.
-
-The namespace is kept in the manifests on the devices (recovered at start).
+The durability rules that order its calls (why each is safe after kill -9) are in docs/DESIGN.md,
+"Durability rules". The namespace is kept in the manifests on the devices (recovered at start).
 """
 
 from __future__ import annotations
@@ -99,6 +84,8 @@ class Namespace:
                                    devices=len(self.device_roots), new_id=self._new_id, publish=self._publish,
                                    lock=self.meta.lock)
             self.union.merge(scan(backing_fd))
+            self.union.reader.moved = self.drainer.settled
+            self.union.reader.path_of = lambda nid: n.backing_rel if (n := self.nodes.get(nid)) else None
         self.space = SpaceManager(self.tree, self.wb, self.meta, self.feed, keep=keep_on_devices) if (
             self.feed is not None and drain) else None
 
@@ -177,6 +164,8 @@ class Namespace:
             await self._publish(node, STATE_COMPLETE)
             node.published = True
             self.tree.attach(parent, node)
+            if self.feed is not None:
+                self.feed.submit_dir(node)
         return node
 
     async def rmdir(self, parent: Node, name: bytes) -> None:
@@ -464,9 +453,8 @@ class Namespace:
             await self.union.materialize(d)
 
     async def _record_change(self, op: str, node: Node, rel: str, dst: str = "") -> DrainJob | None:
-        """Before the view's unlink, rmdir or rename of *rel*: its record, durable on the devices
-        (callers hold ``meta.lock``), so that no later mount shows the backing directory's old
-        name; the job is submitted once the view has changed (:meth:`_submit_change`)."""
+        """Before the view's unlink, rmdir or rename of *rel* (under ``meta.lock``): its record, durable
+        on the devices (no later mount shows the old name), and the job to :meth:`_submit_change`."""
         if self.feed is None:
             return None
         return await self.feed.record(op, node, rel, dst)
