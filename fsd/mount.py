@@ -190,6 +190,15 @@ async def _trim_heap() -> None:
 
 #: Signals that arrived before the trio receiver was installed.
 _early_signals: list[int] = []
+#: The signal that ended this process's session (None: the kernel side went away, an unmount).
+_ended_by_signal: list[int] = []
+
+
+def ended_by_unmount() -> bool:
+    """Whether the session loop ended because the mount went away (not a signal): every file is
+    closed then, although the kernel may have dropped RELEASE requests still queued (it does not
+    wait for them before ending a connection)."""
+    return not _ended_by_signal
 
 
 async def _main(root: MountRoot, mountpoint: Path, ready: Callable[[], None] | None) -> None:
@@ -216,10 +225,12 @@ async def _watch_signals(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         task_status.started()
         if _early_signals:
+            _ended_by_signal.append(_early_signals[0])
             log.info("signal %d (during start-up): unmounting", _early_signals[0])
             pyfuse3.terminate()
             return
         async for signum in signals:
+            _ended_by_signal.append(signum)
             log.info("signal %d: unmounting", signum)
             pyfuse3.terminate()
             return

@@ -23,7 +23,7 @@ from fsd.ckpt.manifest import ROOT_ID
 from fsd.ckpt.namespace import Namespace, Node, check_name, setid_to_clear
 from fsd.ckpt.reports import namespace_status
 from fsd.control import CONTROL_NAME
-from fsd.control_routes import expire_loop, serves_control
+from fsd.control_routes import serves_control
 from fsd.errors import fuse_errors
 from fsd.status import DRAINED_XATTR, NO_WAIT_DRAIN, UNMOUNT_XATTR
 
@@ -118,24 +118,6 @@ class CheckpointOperations(pyfuse3.Operations):
         self.handles: dict[int, _Handle] = {}
         self.readahead_kb: int | None = None
         self.proc_limiter = trio.CapacityLimiter(2)
-
-    # -- lifecycle --------------------------------------------------------------
-    async def start(self, nursery: trio.Nursery) -> None:
-        """Start flusher threads, control expiry and the drain task."""
-        import resource
-
-        # up to 2 fds per device per open file: allow what the hard limit allows
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        await self.ns.start(nursery)
-        self.readahead_kb = raise_readahead(self.backing_fd, READAHEAD_KB)
-        if self.control is not None:
-            nursery.start_soon(expire_loop, self.control)
-
-    async def stop(self) -> None:
-        """Make every file durable and published, then stop the threads."""
-        await self.ns.stop()
 
     # -- helpers ---------------------------------------------------------------
     def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
@@ -376,6 +358,15 @@ class CheckpointOperations(pyfuse3.Operations):
         h = self.handles.pop(fh, None)
         if h is not None:
             self.ns.closed(h.node, h.writable)
+
+    def release_all(self) -> int:
+        """Close every handle the kernel did not release (an unmount ended the connection with
+        RELEASE requests still queued: the last close's publish and drain must still happen)."""
+        n = len(self.handles)
+        for fh in list(self.handles):
+            h = self.handles.pop(fh)
+            self.ns.closed(h.node, h.writable)
+        return n
 
     @fuse_errors
     async def fsync(self, fh: int, datasync: bool) -> None:

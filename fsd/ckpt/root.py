@@ -30,7 +30,7 @@ from fsd.ckpt.operations import READAHEAD_KB, CheckpointOperations, raise_readah
 from fsd.ckpt.reports import unmount_report
 from fsd.control import ControlDir
 from fsd.control_routes import expire_loop, fuse_op_counts
-from fsd.mount import open_dir
+from fsd.mount import ended_by_unmount, open_dir
 from fsd.status import UNMOUNT_REPORT
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,14 @@ class CheckpointMount:
         if ops.control is not None:
             nursery.start_soon(expire_loop, ops.control)
         stack.push_async_callback(ns.settle)
+        stack.callback(self._release_dropped)  # before the settling
+
+    def _release_dropped(self) -> None:
+        assert self.ops is not None
+        if ended_by_unmount():
+            n = self.ops.release_all()
+            if n:
+                log.info("unmount: %d handles the kernel never released are closed", n)
 
     async def _stop_writeback(self) -> None:
         assert self.ops is not None
