@@ -64,6 +64,7 @@ class DrainJob:
     # copy: the backing file may hold this content already, from an earlier mount (a whole-tree
     # submission): skipped if its size and mtime match; a copy of a file just finished never is
     maybe_drained: bool = False
+    content: str = ""  # copy: names the content (device set, node, data_seq); set on the copy as CONTENT_XATTR
     backing: bool = False  # meta: the node's content is the backing file's (its times apply)
     pending: int = 0  # seq of its record on the devices (fsd.ckpt.pending), forgotten once applied
 
@@ -92,13 +93,24 @@ def _open_parent(root_fd: int, rel: str, create: bool = True) -> tuple[int, str]
     return fd, parts[-1]
 
 
-def is_drained(backing_fd: int, rel: str, size: int, mtime_ns: int) -> bool:
-    """Blocking: whether *rel* in the backing directory is a drained copy (its size and mtime)."""
+CONTENT_XATTR = "user.fsd.content"
+"""On a drained copy: which content it holds (a job's ``content``). Size and mtime cannot tell:
+the kernel may set a file's mtime back to a value it cached, and a same-size rewrite keeps the
+size. A backing filesystem without user xattrs gets every whole-tree copy again."""
+
+
+def is_drained(backing_fd: int, rel: str, size: int, content: str) -> bool:
+    """Blocking: whether *rel* in the backing directory is a drained copy of this content."""
     try:
-        st = os.stat(rel, dir_fd=backing_fd, follow_symlinks=False)
+        fd = os.open(rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=backing_fd)
     except OSError:
         return False
-    return st.st_size == size and st.st_mtime_ns == mtime_ns
+    try:
+        return bool(content) and os.fstat(fd).st_size == size and os.getxattr(fd, CONTENT_XATTR) == content.encode()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def data_segments(fd: int, end: int) -> list[tuple[int, int]]:
@@ -209,6 +221,11 @@ def copy_out(device_roots: list[Path], job: DrainJob, backing_fd: int,
                     i = 1 - i
                     if progress is not None:
                         progress(n)
+                if job.content:
+                    try:
+                        os.setxattr(out, CONTENT_XATTR, job.content.encode())
+                    except OSError as e:  # no user xattrs there: whole-tree copies are made again
+                        log.debug("no %s on %s: %s", CONTENT_XATTR, job.rel, e)
                 os.fchown(out, job.uid, job.gid)  # before the mode: a chown clears set-id bits
                 os.fchmod(out, job.mode & 0o7777)
                 os.utime(out, ns=(job.atime_ns or job.mtime_ns, job.mtime_ns))
@@ -382,7 +399,7 @@ class Drainer:
         t0 = time.perf_counter()
         try:
             done = job.maybe_drained and await trio.to_thread.run_sync(
-                is_drained, self.backing_fd, rel, job.size, job.mtime_ns, limiter=self.limiter)
+                is_drained, self.backing_fd, rel, job.size, job.content, limiter=self.limiter)
             if not done:
                 await trio.to_thread.run_sync(copy_out, self.device_roots, job, self.backing_fd, self._stop_copy,
                                               limiter=self.limiter, abandon_on_cancel=True)

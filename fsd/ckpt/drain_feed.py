@@ -16,7 +16,9 @@ class DrainFeed:
     files stay on the devices only (``--no-drain``); the view's changes of backing files still
     reach the backing directory."""
 
-    def __init__(self, tree: Tree, drainer: Drainer, meta: MetaStore, *, copies: bool = True) -> None:
+    def __init__(self, tree: Tree, drainer: Drainer, meta: MetaStore, *, copies: bool = True,
+                 devices_id: str = "") -> None:
+        self.devices_id = devices_id  # names this device set in the content tokens of copies
         self.tree = tree
         self.drainer = drainer
         self.meta = meta
@@ -30,7 +32,8 @@ class DrainFeed:
             return
         self.drainer.submit(DrainJob(node.id, node.version, self.tree.path(node), node.fs.size, node.fs.layout,
                                      mode=node.mode, mtime_ns=node.mtime_ns, atime_ns=node.atime_ns,
-                                     uid=node.uid, gid=node.gid, maybe_drained=maybe_drained))
+                                     uid=node.uid, gid=node.gid, maybe_drained=maybe_drained,
+                                     content=f"{self.devices_id}:{node.id}:{node.data_seq}"))
 
     def submit_dir(self, node: Node) -> None:
         """Queue directory *node* for the backing directory (an empty one too: a mount on new

@@ -80,6 +80,7 @@ class Manifest:
     stripe_size: int = 0
     start: int = 0
     devices: list[str] = field(default_factory=list)  # device uuids in stripe order
+    data_seq: int = 0  # seq of the complete manifest that first published this content
     version: int = 1
 
     def encode(self) -> bytes:

@@ -79,7 +79,7 @@ class Namespace:
             self.replayed = pending.replay(self.device_roots, rec.nodes, lambda c: apply_change(
                 DrainJob(c.node, 0, c.rel, op=c.op, dst=c.dst), backing_fd))
             self.drainer = Drainer(self.device_roots, backing_fd, lambda job: False)
-            self.feed = DrainFeed(self.tree, self.drainer, self.meta, copies=drain)
+            self.feed = DrainFeed(self.tree, self.drainer, self.meta, copies=drain, devices_id=self.device_ids[0])
             self.union = UnionView(self.tree, self.wb, BackingReader(backing_fd), stripe_size=stripe_size,
                                    devices=len(self.device_roots), new_id=self._new_id, publish=self._publish,
                                    lock=self.meta.lock)
@@ -102,6 +102,7 @@ class Namespace:
             node.error = "written with a different device set; unreadable"
             self.failed[m.name] = node.error
         layout = Layout(m.stripe_size, len(m.devices), m.start)
+        node.data_seq = m.data_seq
         node.fs = self.wb.add_file(FileState(m.id, layout, size=m.size, label=m.name, on_device=True))
 
     # -- lifecycle --------------------------------------------------------------
@@ -479,11 +480,14 @@ class Namespace:
         """Write *node*'s manifest on every device (callers hold ``meta.lock``)."""
         meta_version = node.meta_version
         complete = state == STATE_COMPLETE
+        m = self._manifest(node, state)
+        m.data_seq = m.seq if complete and node.modified else node.data_seq  # new content: a new name
         node.publishing += complete
         try:
-            await self.meta.publish(self._manifest(node, state), durable=durable)
+            await self.meta.publish(m, durable=durable)
         finally:
             node.publishing -= complete
+        node.data_seq = m.data_seq
         node.recorded = True
         if state == STATE_COMPLETE and durable:
             node.meta_durable = max(node.meta_durable, meta_version)

@@ -62,6 +62,7 @@ class Node:
     publishing: int = 0  # complete manifests being written (a change must wait, then mark it writing)
     changing: int = 0  # writes and truncates between marking the file modified and their bytes in RAM
     version: int = 0  # bumped on every modification (drain uses it)
+    data_seq: int = 0  # the manifests' name of its durable content (see Manifest.data_seq)
     meta_version: int = 0  # bumped by every chmod/chown/utime
     meta_durable: int = 0  # the meta_version of the last complete manifest
     meta_pending: bool = False  # a background publish of the metadata is queued

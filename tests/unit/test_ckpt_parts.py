@@ -241,6 +241,29 @@ def test_drainer_copies_current_jobs_whole_and_skips_stale_ones(tmp_path: Path) 
     assert sorted(os.listdir(back / "ck")) == ["a.pt"]  # no b.pt, no temporary name left
 
 
+def test_a_whole_tree_copy_is_skipped_only_for_the_same_content(tmp_path: Path) -> None:
+    """A backing file of the same size and mtime is no proof of a copy: the kernel may set a
+    file's mtime back to a value it cached, and a same-size rewrite keeps the size (a stale copy
+    was kept after SIGKILL in the stress test). The copy carries its content's name instead."""
+    roots = device_dirs(tmp_path, 1)
+    back = tmp_path / "back"
+    back.mkdir()
+    lay = Layout(4 * KiB, 1, 0)
+    new = os.urandom(9000)
+    _striped(roots, 70, lay, new)
+    stale = back / "a.pt"
+    stale.write_bytes(bytes(9000))
+    os.utime(stale, ns=(10**18, 10**18))
+    job = DrainJob(70, 1, "a.pt", 9000, lay, mtime_ns=10**18, maybe_drained=True, content="dev:70:5")
+    dr = _drain(roots, back, [job])
+    assert stale.read_bytes() == new and dr.status()["files"] == 1  # copied: no proof it was there
+    dr = _drain(roots, back, [job])
+    assert dr.status()["files"] == 0  # the same content: skipped
+    dr = _drain(roots, back, [DrainJob(70, 1, "a.pt", 9000, lay, mtime_ns=10**18, maybe_drained=True,
+                                       content="dev:70:6")])
+    assert dr.status()["files"] == 1  # new content of the same size: copied
+
+
 def test_drain_status_names_only_the_newest_copies_and_forgets_unlinked_files(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(Drainer, "RECENT", 3)
     roots = device_dirs(tmp_path, 1)
@@ -286,7 +309,8 @@ def test_the_view_changes_reach_the_backing_directory_in_order(tmp_path: Path) -
             dr.submit(DrainJob(1, 0, "ck-1", op="rename", dst="ck-2"))
             dr.submit(DrainJob(2, 0, "old.pt", op="unlink"))
             dr.submit(DrainJob(3, 0, "gone.pt", op="unlink"))  # already gone: no error
-            dr.submit(DrainJob(1, 0, "ck-2/a.pt", op="meta", mode=0o600, mtime_ns=10**18, atime_ns=10**18))
+            dr.submit(DrainJob(1, 0, "ck-2/a.pt", op="meta", mode=0o600, mtime_ns=10**18, atime_ns=10**18,
+                               backing=True))  # a backing file: its times are the view's
             dr.submit(DrainJob(4, 0, "ck-2", op="rmdir"))  # not empty: left, no error
             await dr.stop()
         assert dr.status()["errors"] == {} and dr.status()["queued"] == 0
