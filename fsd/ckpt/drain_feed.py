@@ -27,8 +27,10 @@ class DrainFeed:
         drainer.renamed = self.renamed
 
     def submit(self, node: Node, *, maybe_drained: bool = False) -> None:
-        """Queue *node* (finished: closed, complete manifest durable) for the backing directory."""
-        if not self.copies or node.backing or node.fs is None:
+        """Queue *node* (finished: closed, complete manifest durable) for the backing directory. A
+        node a change has begun on is not: the job would take the new version with the old size
+        (that change's own finish submits it)."""
+        if not self.copies or node.backing or node.fs is None or node.modified or node.changing:
             return
         self.drainer.submit(DrainJob(node.id, node.version, self.tree.path(node), node.fs.size, node.fs.layout,
                                      mode=node.mode, mtime_ns=node.mtime_ns, atime_ns=node.atime_ns,

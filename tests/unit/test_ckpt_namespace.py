@@ -272,3 +272,40 @@ def test_fsync_of_a_file_of_the_backing_directory_leaves_it_there(tmp_path: Path
         assert run(lambda ns: _read_path(ns, "old.pt")) == data
     finally:
         os.close(bfd)
+
+
+def test_a_change_begun_while_a_close_publishes_is_drained_at_its_own_size(tmp_path: Path) -> None:
+    """A truncate that began while a close's manifest was being written: the close's drain job
+    took the new version with the old size, passed for current, and the truncate's own copy was
+    then skipped as drained (the backing directory kept the short file; stress test seed 12)."""
+    devs = device_dirs(tmp_path, 2)
+    back = tmp_path / "backing"
+    back.mkdir()
+    data = os.urandom(100_000)
+    bfd = os.open(back, os.O_RDONLY | os.O_DIRECTORY)
+
+    async def main() -> None:
+        ns = Namespace(devs, stripe_size=64 * KiB, dirty_limit=4 << 20, threads_per_device=1,
+                       chunk_size=64 * KiB, backing_fd=bfd, drain=True)
+        async with trio.open_nursery() as nursery:
+            await ns.start(nursery)
+            assert ns.drainer is not None
+            entered, gate = _gate_complete_publishes(ns, "f")
+            await ns.drainer.limiter.acquire()  # the drain runs only once both finishes are done
+            node = await _write_file(ns, ns.nodes[ROOT_ID], b"f", data, fsync=False)  # the close publishes
+            await entered.wait()
+            async with trio.open_nursery() as n:
+                n.start_soon(ns.truncate, node, 150_000)  # truncate(path): begins, waits for the publish
+                await trio.testing.wait_all_tasks_blocked()
+                gate.set()
+            await ns.wait_finished()
+            ns.drainer.limiter.release()
+            await ns.drainer.wait_idle()
+            await ns.stop()
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        os.close(bfd)
+    assert (back / "f").read_bytes() == data + bytes(50_000)
