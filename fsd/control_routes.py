@@ -105,8 +105,8 @@ async def _open(control: ControlDir, ino: int, flags: int, ctx: Any) -> Any:
     return file_info(ino)
 
 
-async def _read(control: ControlDir, fh: int, off: int, size: int) -> bytes:
-    return control.read(fh, off, size)
+async def _read(control: ControlDir, fh: int, off: int, size: int, ctx: Any = None) -> bytes:
+    return control.read(fh, off, size)  # ctx: a mount whose read() takes the caller's (pyfuse3.READ_CTX)
 
 
 async def _write(control: ControlDir, fh: int, off: int, buf: bytes) -> int:

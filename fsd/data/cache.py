@@ -183,18 +183,19 @@ class DatasetCache:
             return self.fetcher.backend_bytes
 
     # ------------------------------------------------------------------ reads
-    def read(self, file_id: int, off: int, size: int) -> bytes:
-        """Bytes ``[off, off+size)`` of *file_id*, from RAM, staging, SSD or backend."""
+    def read(self, file_id: int, off: int, size: int, rank: int | None = None) -> bytes:
+        """Bytes ``[off, off+size)`` of *file_id*, from RAM, staging, SSD or backend, for the job's
+        *rank* (None: the caller named none: :mod:`fsd.data.rank_of_pid`)."""
         t0 = self.clock()
         with self.guard:
             gen = self.catalog.gen(file_id)
-            q, plan_gen, inline = self.scheduler.reader_at(file_id, off, t0, size)
+            q, plan_gen, inline = self.scheduler.reader_at(file_id, off, t0, size, rank)
         out = self.fetcher.serve(file_id, off, size, q, plan_gen, inline, t0)
         with self.guard:
             self.kernel.served(file_id, gen, off, len(out))
         return out
 
-    def read_resident(self, file_id: int, off: int, size: int) -> bytes | None:
+    def read_resident(self, file_id: int, off: int, size: int, rank: int | None = None) -> bytes | None:
         """Like :meth:`read` if *file_id* is in RAM or staging, else None and nothing happened.
 
         Never blocks on I/O or on a fetch, so the FUSE loop may call it itself and skip the
@@ -205,7 +206,7 @@ class DatasetCache:
             if d is None:
                 return None
             gen = self.catalog.gen(file_id)
-            _, _, fetch = self.scheduler.reader_at(file_id, off, t0, size)
+            _, _, fetch = self.scheduler.reader_at(file_id, off, t0, size, rank)
             if fetch is not None:  # resident, so no fetch of its own; in case, a worker runs it
                 assert isinstance(fetch.ref, Fetch)
                 fetch.ref.started = False
@@ -214,10 +215,11 @@ class DatasetCache:
             self.kernel.served(file_id, gen, off, len(out))
         return out
 
-    def note_lookup(self, file_id: int) -> None:
-        """The kernel looked *file_id* up: a progress hint, and the moment a failed push can succeed."""
+    def note_lookup(self, file_id: int, rank: int | None = None) -> None:
+        """The kernel looked *file_id* up for *rank*: a progress hint, and the moment a failed push can
+        succeed."""
         with self.guard:
-            self.scheduler.observe(file_id, self.clock())
+            self.scheduler.observe(file_id, self.clock(), rank=rank)
             self.kernel.retry(file_id, listed=False)
 
     def note_known(self, file_id: int) -> None:

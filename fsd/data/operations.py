@@ -10,6 +10,10 @@ Hot path: with a pyfuse3 that forwards the inode when ``fh`` is 0 (see
 open/flush/release and keeps page-cache contents across opens; reads that hit
 the page cache never reach this process. Without the patch, ``open()`` returns
 ``fh=inode`` with ``keep_cache``. Either way, here ``fh == inode``.
+
+Each read and lookup carries the job's rank that sent it (:mod:`fsd.data.rank_of_pid`: the caller's
+pid, the rank its environment names), or None; reads learn the pid only from a pyfuse3 with the
+read-ctx patch (``READ_CTX``), lookups from any.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import trio
 from fsd.control import CONTROL_NAME, ControlDir, Counters
 from fsd.control_routes import serves_control
 from fsd.data.attr_refresh import AttrRefresher
+from fsd.data.rank_of_pid import Callers
 from fsd.data.revalidate import Revalidator
 from fsd.data.router import ReadRouter
 from fsd.errors import fuse_errors
@@ -34,6 +39,8 @@ log = logging.getLogger(__name__)
 
 #: True when the installed pyfuse3 passes the inode as fh in no-open mode.
 NO_OPEN = bool(getattr(pyfuse3, "READ_FH_FALLBACK_INODE", False))
+#: True when the installed pyfuse3 passes read() the request's context (the caller's pid).
+READ_CTX = bool(getattr(pyfuse3, "READ_CTX", False))
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
@@ -53,6 +60,8 @@ def _own_thread(tid: int) -> bool:
 class DataOperations(pyfuse3.Operations):
     """pyfuse3 operations of the read-only dataset view."""
 
+    read_ctx = True  # the read-ctx patch: read(fh, off, size, ctx)
+
     def __init__(self, root_fd: int, inodes: InodeTable, router: ReadRouter, *, read_threads: int = 8,
                  attr_timeout: float = 300.0, no_open: bool = NO_OPEN) -> None:
         super().__init__()
@@ -64,6 +73,8 @@ class DataOperations(pyfuse3.Operations):
         self.counters = Counters()
         self.meta_limiter = trio.CapacityLimiter(8)
         self.read_limiter = trio.CapacityLimiter(max(8, read_threads))
+        self.callers = Callers()  # pid -> the rank its environment names
+        self.proc_limiter = trio.CapacityLimiter(2)  # /proc reads of new callers
         self._dirs: dict[int, _DirHandle] = {}
         self._next_dir_fh = FIRST_INODE  # above the control inodes, which are their own handles
         # Last stat of every kernel-known inode. The kernel re-asks getattr
@@ -97,6 +108,7 @@ class DataOperations(pyfuse3.Operations):
             "inodes": len(self.inodes),
             "revalidate": self.revalidator.status(),
             "attr_refresh": self.refresher.status() if self.refresher is not None else None,
+            "rank_attribution": {"read_ctx": READ_CTX, **self.callers.status()},
             **self.router.status(),
         }
 
@@ -123,6 +135,17 @@ class DataOperations(pyfuse3.Operations):
 
     async def _thread(self, fn: Any, *args: Any, limiter: trio.CapacityLimiter | None = None) -> Any:
         return await trio.to_thread.run_sync(fn, *args, limiter=limiter or self.meta_limiter)
+
+    async def _rank(self, ctx: Any) -> int | None:
+        """The job's rank that sent a request (None: no context, or its caller names none): cached
+        per pid, a new or stale pid resolved on a thread."""
+        if ctx is None:
+            return None
+        pid = ctx.pid
+        caller = self.callers.cached(pid)
+        if caller is None:
+            caller = self.callers.learn(pid, await self._thread(self.callers.resolve, pid, limiter=self.proc_limiter))
+        return self.callers.rank(caller)
 
     def _observe(self, ino: int, path: bytes, st: os.stat_result) -> None:
         """Tell the revalidator what the kernel was just told about *path*."""
@@ -153,11 +176,13 @@ class DataOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOENT)  # the kernel resolves these itself
         path = _join(self.inodes.path(parent_inode), name)
         st = await self._thread(self._lstat, path)
+        own = _own_thread(getattr(ctx, "pid", 0))  # the daemon's own attribute refresh: no job's open
+        rank = None if own else await self._rank(ctx)
         ino = self.inodes.ref(path)
         self._observe(ino, path, st)
         self._stats[ino] = st
-        if not _own_thread(getattr(ctx, "pid", 0)):  # a job's open, not the daemon's own attribute refresh
-            self.router.note_lookup(path)
+        if not own:
+            self.router.note_lookup(path, rank)
         return self._attrs(ino, st)
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
@@ -255,12 +280,13 @@ class DataOperations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
     @fuse_errors
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int, ctx: Any = None) -> bytes:
         self.counters.op("read")
         path = self.inodes.path(fh)
-        data = self.router.read_resident(path, off, size)  # RAM: answered here, no thread hop
+        rank = await self._rank(ctx)
+        data = self.router.read_resident(path, off, size, rank)  # RAM: answered here, no thread hop
         if data is None:
-            data = await self._thread(self.router.read, path, off, size, limiter=self.read_limiter)
+            data = await self._thread(self.router.read, path, off, size, rank, limiter=self.read_limiter)
         if self.refresher is not None:
             self.refresher.note_read(path, fh)  # this reply makes the kernel's atime stale
         return data

@@ -25,6 +25,15 @@ Where is the reader?
       an EWMA of the observed entries/s, capped at ``front + beacon_every +
       window`` (the reader cannot pass the next beacon unnoticed).
 
+Attribution
+    A read or lookup usually names its rank: the daemon learns the caller's rank from its
+    environment (:mod:`fsd.data.rank_of_pid`) and passes it as *rank*. Such a read is matched only
+    against that rank's own accesses (its loaders, its epochs) near that rank's front: ranks that
+    drift apart by whole bursts of reads can then not take each other's accesses. A read without a
+    rank (the caller names none, or a rank the plan does not run on this node, or a pyfuse3
+    without the read-ctx patch) is matched by inference, below. ``reads_by_rank`` and
+    ``reads_inferred`` count which was used.
+
 Matching
     One front per rank (ranks drift apart, by whole epochs when they are
     not synchronized). A read of file *f* matches a predicted access *q* of
@@ -89,9 +98,9 @@ class ProgressTracker:
 
     Ranks of a node drift apart (separate processes, each with its own
     DataLoader), so the tracker keeps one front per rank of the stream
-    (``ranks[i]``) without knowing which rank sent a read: a read of *f* is
-    matched to the first predicted access of *f* near the front of *that
-    access's* rank. ``front`` is the leading rank's front (extrapolation,
+    (``ranks[i]``). A read that names its rank is matched to that rank's own
+    accesses; one that does not, to the first predicted access of *f* near the
+    front of *that access's* rank. ``front`` is the leading rank's front (extrapolation,
     lead), ``trail`` the slowest observed rank's (what may be released).
     """
 
@@ -104,12 +113,15 @@ class ProgressTracker:
         if ranks is not None and len(ranks) == n and n:
             ranks = np.asarray(ranks)
             # dense rank ids without sorting the stream (np.unique did: seconds at 100M entries)
-            dense = np.searchsorted(rank_values(ranks), ranks)
+            values = rank_values(ranks)
+            dense = np.searchsorted(values, ranks)
             self.rank_of: np.ndarray | None = dense.astype(np.int32)
             self.fronts = [-1] * (int(dense.max()) + 1)
+            self._dense = {int(v): i for i, v in enumerate(values.tolist())}  # the job's rank -> front index
         else:
             self.rank_of = None
             self.fronts = [-1]
+            self._dense = {}
         self._hist: list[deque[int]] = [deque(maxlen=5) for _ in self.fronts]
         bounds = np.asarray(epoch_bounds if epoch_bounds is not None and len(epoch_bounds) >= 2 else [0, n])
         self._bounds = bounds.astype(np.int64)
@@ -120,8 +132,8 @@ class ProgressTracker:
         self._plausible: list[deque[int]] = [deque(maxlen=5) for _ in self.fronts]
         self._t_rank: list[float | None] = [None] * len(self.fronts)  # per rank: when it last matched
         self._taken: set[int] = set()  # accesses a read matched (a file is read once per access)
-        # fid -> (q, end offset of its last read (-1: a lookup), t)
-        self._reading: OrderedDict[int, tuple[int, int, float]] = OrderedDict()
+        # fid -> (q, end offset of its last read (-1: a lookup), t, its rank (-1: unknown))
+        self._reading: OrderedDict[int, tuple[int, int, float, int]] = OrderedDict()
         self.last_new = False  # the last observe() was a new read or lookup (not a later part of a read)
         self.last_predicted = False  # ... and a plausible place of the plan explained it
         self.state = SYNCED
@@ -137,11 +149,13 @@ class ProgressTracker:
         self.matched = 0
         self.mismatched = 0
         self.foreign = 0
+        self.by_rank = 0  # new reads and lookups matched against their own rank's accesses
+        self.inferred = 0  # ... whose rank was inferred
         self.divergences = 0
         self.resyncs = 0
         # while diverged: the latest reads (file, whether an observed rank's front explained it), the
         # newest file none explained, and how many reads in a row were explained
-        self._div_reads: deque[tuple[int, bool, float]] = deque(maxlen=2 * RESYNC_MATCHES)
+        self._div_reads: deque[tuple[int, bool, float, int | None]] = deque(maxlen=2 * RESYNC_MATCHES)
         self._unexplained: int | None = None
         self._explained = 0
 
@@ -160,6 +174,16 @@ class ProgressTracker:
     def rank_at(self, q: int) -> int:
         """The rank of access *q* (dense id; 0 without ranks)."""
         return int(self.rank_of[q]) if self.rank_of is not None else 0
+
+    def dense_rank(self, rank: int | None) -> int | None:
+        """The front index of the job's *rank* (as its environment names it), or None: no rank, or
+        one this node's plan does not run (its reads are then inferred). Without ranks in the
+        stream (one reader) every named rank is that reader."""
+        if rank is None:
+            return None
+        if self.rank_of is None:
+            return 0
+        return self._dense.get(rank)
 
     def slowest_with(self, q: int) -> int:
         """The least of *q* and the other observed ranks' fronts: what a reader at *q* says about who
@@ -203,14 +227,17 @@ class ProgressTracker:
             return 0
         return int(min(2.0 * self.rate * max(0.0, now - t), float(max_jump)))
 
-    def _match(self, fid: int, now: float, max_jump: int, unseen: bool = True) -> tuple[int, int]:
+    def _match(self, fid: int, now: float, max_jump: int, unseen: bool = True,
+               rank: int | None = None) -> tuple[int, int]:
         """``(position, round)`` of the access a read of *fid* is, or ``(NEVER, -1)``.
 
-        Reads do not say which rank sent them. A candidate (a predicted access of *fid*) of an observed
-        rank is never one that rank has passed (an epoch before the one it reads in, the epoch of its
-        furthest plausible matches; more than a window behind those, or ``2*window`` behind its
-        front; the rest of an epoch it read to the end of and then past) nor one more than an epoch
-        past that (a rank reads an epoch's files after all of the one before). Rounds, earliest
+        With *rank* (a front index: the read named its rank) only that rank's accesses are
+        candidates, and the rules below apply to its front alone; without, the read is inferred.
+        A candidate (a predicted access of *fid*) of an observed rank is never one that rank has
+        passed (an epoch before the one it reads in, the epoch of its furthest plausible matches;
+        more than a window behind those, or ``2*window`` behind its front; the rest of an epoch it
+        read to the end of and then past) nor one more than an epoch past that (a rank reads an
+        epoch's files after all of the one before). Rounds, earliest
         access first in each:
 
         0. near its rank's front: at most ``2*window`` + :meth:`carried` past it, and in the front's
@@ -227,13 +254,29 @@ class ProgressTracker:
            when the rank can have finished this one (as in round 0).
 
         Without *unseen*, round 1 is left out: only observed ranks explain the read. A width from the
-        beacon spacing would, on a small dataset, cover every epoch of the plan."""
+        beacon spacing would, on a small dataset, cover every epoch of the plan.
+
+        A named read (*rank*) differs in two rules, both because no other rank's access can explain
+        it. Its rank's access in the front's epoch, near the front, is round 0 even when
+        :meth:`carried` says the rank can have finished the epoch unseen: a rank kept idle while
+        another read on looks the same, and taking the next epoch's access then put its front an
+        epoch ahead of its reads (a divergence). And an access in the next epoch is round 3 even
+        when the rank cannot have finished this one by the readers' rate: the rank has no access of
+        the file left in this epoch (it would come first), so it read on further than that estimate
+        (unseen, from the page cache)."""
         w2 = 2 * self.window
         p = self.index.positions(fid)
-        lo = 0 if min(self.fronts) < 0 else max(0, self.trail - w2)
+        if rank is not None:
+            if self.rank_of is not None:
+                p = p[self.rank_of[p] == rank]
+            fr0 = self.fronts[rank]
+            lo = 0 if fr0 < 0 else max(0, min(fr0, self._top[rank]) - w2)
+        else:
+            lo = 0 if min(self.fronts) < 0 else max(0, self.trail - w2)
         k = int(np.searchsorted(p, lo, side="left"))
         limit = max(self.front, 0) + max_jump
         e_lead = self.epoch_of(max(self.front, 0))
+        named = rank is not None  # see the rules for a named read in the docstring
         best = (9, int(NEVER))
         for q in p[k : k + 64].tolist():
             if q > limit:
@@ -261,11 +304,11 @@ class ProgressTracker:
             left = last - at - max(1, self.window // 2)
             if eq == ef and last - at <= self.window // 16 and self.epoch_of(max(self._plausible[r], default=-1)) > ef:
                 continue  # it read to its epoch's end and then in the next one: it is done with this one
-            can_be_in = eq == ef or left <= carried  # the next epoch: once it can have finished this one
+            can_be_in = eq == ef or left <= carried or named  # the next epoch: once it can have finished this one
             if taken:
                 if near:
                     best = min(best, (2, q))
-            elif near and (eq == ef + 1 and left <= carried or eq == ef and 2 * (left + w2) > carried):
+            elif near and (eq == ef + 1 and left <= carried or eq == ef and (named or 2 * (left + w2) > carried)):
                 best = min(best, (0, q))
             elif can_be_in:
                 best = min(best, (3, q))
@@ -273,24 +316,24 @@ class ProgressTracker:
                 break
         return (best[1], best[0]) if best[1] != NEVER else (int(NEVER), -1)
 
-    def _continues(self, fid: int, off: int | None, now: float) -> int | None:
+    def _continues(self, fid: int, off: int | None, now: float, rank: int | None) -> int | None:
         """The access that a read at *off* (None: a lookup) of *fid* is part of, or None: within
-        ``CONTINUE_S`` of the file's last read or lookup, a read after a lookup (an open's lookup,
-        then its reads), or a read at *off* > 0 near where the last read ended. A lookup is always
-        a new access."""
+        ``CONTINUE_S`` of the file's last read or lookup, of the same rank when both are known, a
+        read after a lookup (an open's lookup, then its reads), or a read at *off* > 0 near where
+        the last read ended. A lookup is always a new access."""
         got = self._reading.get(fid)
         if got is None or off is None:
             return None
-        q, end, t = got
-        if now - t > CONTINUE_S:
+        q, end, t, r = got
+        if now - t > CONTINUE_S or (rank is not None and r >= 0 and r != rank):
             return None
         return q if end < 0 or 0 < off <= end + CONTINUE_BYTES else None
 
-    def _took(self, fid: int, q: int, off: int | None, size: int, now: float) -> None:
-        """A read of *fid* at *off* (None: a lookup, which takes nothing) matched access *q*."""
+    def _took(self, fid: int, q: int, off: int | None, size: int, now: float, rank: int | None) -> None:
+        """A read of *fid* at *off* (None: a lookup, which takes nothing) by *rank* matched access *q*."""
         if off is not None:
             self._taken.add(q)
-        self._reading[fid] = (q, -1 if off is None else off + size, now)
+        self._reading[fid] = (q, -1 if off is None else off + size, now, -1 if rank is None else rank)
         self._reading.move_to_end(fid)
         if len(self._reading) > READING_MAX:
             self._reading.popitem(last=False)
@@ -298,11 +341,13 @@ class ProgressTracker:
             keep = max(0, self.trail - 4 * self.window)
             self._taken = {x for x in self._taken if x >= keep}
 
-    def observe(self, fid: int, now: float, max_jump: int, off: int | None = None, size: int = 0) -> int | None:
-        """Match a read (*off*: its file offset, *size*: its length) or a lookup (*off* None) of *fid*;
-        returns its stream position or None. ``last_new`` says whether it was a new read or lookup (not
-        a later part of a read of the file), ``last_predicted`` whether the plan explained it near a front."""
-        q = self._observe(fid, now, max_jump, off, size)
+    def observe(self, fid: int, now: float, max_jump: int, off: int | None = None, size: int = 0,
+                rank: int | None = None) -> int | None:
+        """Match a read (*off*: its file offset, *size*: its length) or a lookup (*off* None) of *fid*
+        by the job's *rank* (None: not named); returns its stream position or None. ``last_new`` says
+        whether it was a new read or lookup (not a later part of a read of the file),
+        ``last_predicted`` whether the plan explained it near a front."""
+        q = self._observe(fid, now, max_jump, off, size, self.dense_rank(rank))
         if q is not None and self.last_new:
             self._since_sync += 1
         return q
@@ -315,33 +360,38 @@ class ProgressTracker:
         divergence released. A right plan's rare divergence costs nothing: its resync holds."""
         return self.state == SYNCED and (not self._shaky or self._since_sync >= PROBATION)
 
-    def _observe(self, fid: int, now: float, max_jump: int, off: int | None, size: int) -> int | None:
+    def _observe(self, fid: int, now: float, max_jump: int, off: int | None, size: int,
+                 rank: int | None) -> int | None:
         self.last_new, self.last_predicted = True, False
         if self.index.count(fid) == 0:
             self.foreign += 1
             return None
-        cont = self._continues(fid, off, now)
+        cont = self._continues(fid, off, now, rank)
         if cont is not None:
             self.last_new = False
-            end = self._reading[fid][1]
+            _, end, _, r = self._reading[fid]
             if off is not None:  # a read: it takes the access (after a lookup), up to where it ends
                 self._taken.add(cont)
                 end = max(end, off + size)
-            self._reading[fid] = (cont, end, now)
+            self._reading[fid] = (cont, end, now, r if rank is None else rank)
             return cont if self.state == SYNCED else None
+        if rank is None:
+            self.inferred += 1
+        else:
+            self.by_rank += 1
         if self.state == DIVERGED:
-            q = self._resync(fid, now, max_jump)
+            q = self._resync(fid, now, max_jump, rank)
             if q is not None:
-                self._took(fid, q, off, size, now)
+                self._took(fid, q, off, size, now, rank)
             return q
-        q, rnd = self._match(fid, now, max_jump)
+        q, rnd = self._match(fid, now, max_jump, rank=rank)
         ok = q != NEVER
         self.recent.append(ok)
         if ok:
             self.matched += 1
             self.last_predicted = rnd != 3
             self._advance(q, now, plausible=rnd != 3)
-            self._took(fid, q, off, size, now)
+            self._took(fid, q, off, size, now, rank)
             return q
         self.mismatched += 1
         if self.recent.count(False) >= DIV_THRESHOLD:
@@ -384,7 +434,7 @@ class ProgressTracker:
             self.rate = inst if self.rate <= 0 else 0.7 * self.rate + 0.3 * inst
             self._rate_pos, self._rate_t = q, now
 
-    def _resync(self, fid: int, now: float, max_jump: int) -> int | None:
+    def _resync(self, fid: int, now: float, max_jump: int, rank: int | None) -> int | None:
         """A read while diverged: ``synced`` again once reads are consistent with the plan.
 
         A read that an observed rank's front explains (``_match`` without its round for ranks not
@@ -396,9 +446,10 @@ class ProgressTracker:
         reads within the run's tolerance (see the module docstring), more than half of them reads no front explains
         (reads of a rank that did not diverge may come between). Of the places that fit, the one
         nearest the old front wins: each rank with reads there is re-anchored at its last one, the
-        other ranks keep their fronts (a rank that did not go back with the others)."""
-        q, rnd = self._match(fid, now, max_jump, unseen=False)
-        self._div_reads.append((fid, q != NEVER, now))
+        other ranks keep their fronts (a rank that did not go back with the others). A read that
+        named its rank is only ever placed at that rank's accesses."""
+        q, rnd = self._match(fid, now, max_jump, unseen=False, rank=rank)
+        self._div_reads.append((fid, q != NEVER, now, rank))
         if q != NEVER:
             if rnd != 3:  # near its front: followed
                 self.last_predicted = True
@@ -417,12 +468,17 @@ class ProgressTracker:
         # covers over the run (at most the beacon spacing); the spacing alone covers a small plan
         span = now - self._div_reads[0][2]
         tol = 2 * self.window + int(min(float(self.beacon_every or 0), 2.0 * max(self.rate, 0.0) * span))
-        anchors = self.index.positions(self._unexplained)[:MAX_ANCHORS]
+        anchors = self.index.positions(self._unexplained)[:MAX_ANCHORS]  # its accesses by any rank
         near: list[np.ndarray] = []  # per recent read: its access near each anchor, or -1
         fits = np.zeros(len(anchors), dtype=np.int64)
         alone = np.zeros(len(anchors), dtype=np.int64)  # of the fits, reads no front explained
-        for f, explained, _ in self._div_reads:
+        for f, explained, _, r in self._div_reads:
             p = self.index.positions(f)
+            if r is not None and self.rank_of is not None:
+                p = p[self.rank_of[p] == r]
+                if not len(p):
+                    near.append(np.full(len(anchors), -1, dtype=np.int64))
+                    continue
             k = np.minimum(np.searchsorted(p, anchors - tol, side="left"), len(p) - 1)
             ok = np.abs(p[k] - anchors) <= tol
             near.append(np.where(ok, p[k], -1))
@@ -467,6 +523,13 @@ class ProgressTracker:
         self.t_front = now
         self._rate_pos, self._rate_t = self.front, now
 
+    def attribution(self) -> str | None:
+        """How the readers' ranks were known: ``rank`` (every new read named its rank), ``inferred``
+        (none did), ``mixed``, or None before the first read."""
+        if self.by_rank and self.inferred:
+            return "mixed"
+        return "rank" if self.by_rank else "inferred" if self.inferred else None
+
     def stats(self) -> dict:
         return {
             "state": self.state,
@@ -477,6 +540,9 @@ class ProgressTracker:
             "matched": self.matched,
             "mismatched": self.mismatched,
             "foreign": self.foreign,
+            "reads_by_rank": self.by_rank,
+            "reads_inferred": self.inferred,
+            "attribution": self.attribution(),
             "divergences": self.divergences,
             "resyncs": self.resyncs,
             "trusted": self.followed(),

@@ -144,12 +144,12 @@ class ReadRouter:
         fid = active.files.file_id(path)
         return None if fid is None else (active.cache, fid)
 
-    def read(self, path: bytes, off: int, size: int) -> bytes:
-        """Serve a kernel read of dataset file *path* (worker thread)."""
+    def read(self, path: bytes, off: int, size: int, rank: int | None = None) -> bytes:
+        """Serve a kernel read of dataset file *path* for the job's *rank* (None: not named; worker thread)."""
         planned = self._planned(path)
         if planned is not None:
             cache, fid = planned
-            return cache.read(fid, off, size)
+            return cache.read(fid, off, size, rank)
         self._unplanned_reads += 1
         if off == 0 and self._active is not None:  # a read outside the plan (its later requests are part of it)
             self.reads.record(os.fsdecode(path), False)
@@ -159,16 +159,16 @@ class ReadRouter:
         finally:
             os.close(fd)
 
-    def read_resident(self, path: bytes, off: int, size: int) -> bytes | None:
+    def read_resident(self, path: bytes, off: int, size: int, rank: int | None = None) -> bytes | None:
         """:meth:`read` of a planned file held in RAM, without blocking (the FUSE loop); else None."""
         planned = self._planned(path)
-        return planned[0].read_resident(planned[1], off, size) if planned is not None else None
+        return planned[0].read_resident(planned[1], off, size, rank) if planned is not None else None
 
-    def note_lookup(self, path: bytes) -> None:
-        """The kernel looked *path* up (a first open since its dentry expired)."""
+    def note_lookup(self, path: bytes, rank: int | None = None) -> None:
+        """The kernel looked *path* up for the job's *rank* (a first open since its dentry expired)."""
         planned = self._planned(path)
         if planned is not None:
-            planned[0].note_lookup(planned[1])
+            planned[0].note_lookup(planned[1], rank)
 
     def note_known(self, path: bytes) -> None:
         """The kernel learnt *path* from a directory listing (no progress: pending pushes may go)."""

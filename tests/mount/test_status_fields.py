@@ -15,7 +15,7 @@ from conftest import REPO, make_tree, wait_for
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(120)]
 
 # maps whose keys are data (paths, operation or error kinds, plan keys), not fields
-DATA_KEYED = {"failed", "drained", "ops", "errors", "plan"}
+DATA_KEYED = {"failed", "drained", "ops", "errors", "plan", "by_variable"}
 
 
 def keys(doc: Any, parent: str = "") -> Iterator[tuple[str, str]]:
