@@ -62,14 +62,18 @@ class DrainFeed:
                                      mtime_ns=node.mtime_ns, atime_ns=node.atime_ns, uid=node.uid, gid=node.gid,
                                      backing=node.backing))
 
-    async def record(self, op: str, node: Node, rel: str, dst: str = "") -> DrainJob:
-        """The job of an ``unlink``, ``rmdir`` or ``rename`` (to *dst*) of *rel*, recorded durably on
-        every device first (:mod:`fsd.ckpt.pending`; callers hold the meta lock, which orders the
+    def change_job(self, op: str, node: Node, rel: str, dst: str = "") -> tuple[DrainJob, pending.Change]:
+        """The job of an ``unlink``, ``rmdir`` or ``rename`` (to *dst*) of *rel* and its record, to
+        be written on every device (:meth:`record`) before the call returns. Its seq is taken now,
+        before the manifests the same call writes (callers hold the meta lock, which orders the
         records as the view's changes)."""
         c = pending.Change(self.meta.take_seq(), op, rel, dst, node.id, node.recorded)
-        await self.meta.on_every_device(pending.write, c)
         return DrainJob(node.id, node.version, rel, op=op, dst=dst, mode=node.mode,
-                        mtime_ns=node.mtime_ns, atime_ns=node.atime_ns, pending=c.seq)
+                        mtime_ns=node.mtime_ns, atime_ns=node.atime_ns, pending=c.seq), c
+
+    async def record(self, c: pending.Change) -> None:
+        """Write record *c* durably on every device."""
+        await self.meta.on_every_device(pending.write, c)
 
     def submit_change(self, job: DrainJob) -> None:
         """Queue a recorded change (once the view has made it)."""

@@ -16,13 +16,14 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from fsd.ckpt.backing import BackingReader, scan
 from fsd.ckpt import pending
+from fsd.ckpt.backing import BackingReader, scan
 from fsd.ckpt.drain import DrainJob, Drainer, apply_change
 from fsd.ckpt.drain_feed import DrainFeed
 from fsd.ckpt.file_state import FileState
@@ -32,12 +33,13 @@ from fsd.ckpt.node import error as _error
 from fsd.ckpt.recovery import recover
 from fsd.ckpt.space import SpaceManager
 from fsd.ckpt.striping import Layout
-from fsd.ckpt.tasks import Tasks
+from fsd.ckpt.tasks import Tasks, together
 from fsd.ckpt.tree import Tree
 from fsd.ckpt.union import UnionView
 from fsd.ckpt.writeback import WriteBack
 
 log = logging.getLogger(__name__)
+
 
 
 class Namespace:
@@ -177,9 +179,8 @@ class Namespace:
                 raise _error(errno.ENOTDIR)
             if node.children:
                 raise _error(errno.ENOTEMPTY)
-            job = await self._record_change("rmdir", node, self.path(node))
-            if node.recorded:
-                await self.meta.remove(node.id)
+            job = await self._record_change("rmdir", node, self.path(node),
+                                            alongside=self.meta.remove(node.id) if node.recorded else None)
             self.tree.detach(node)
             self._submit_change(job)
         self._maybe_free(node)
@@ -190,10 +191,9 @@ class Namespace:
             node = self.child(parent, name)
             if node.children is not None:
                 raise _error(errno.EISDIR)
-            job = await self._record_change("unlink", node, self.path(node))
-            if node.recorded:
-                await self.meta.remove(node.id)
-                node.recorded = node.published = False
+            job = await self._record_change("unlink", node, self.path(node),
+                                            alongside=self.meta.remove(node.id) if node.recorded else None)
+            node.recorded = node.published = False
             self.tree.detach(node)
             node.ctime_ns = time.time_ns()
             self._submit_change(job)
@@ -232,8 +232,7 @@ class Namespace:
             if node.children is not None and self.tree.is_ancestor(node, dst_dir):
                 raise _error(errno.EINVAL, "a directory cannot move into itself")
             old_path = self.path(node)
-            job = await self._record_change("rename", node, old_path,
-                                            f"{self.path(dst_dir)}/{os.fsdecode(name_new)}".lstrip("/"))
+            new_path = f"{self.path(dst_dir)}/{os.fsdecode(name_new)}".lstrip("/")
             old_parent, old_name, old_ctime = node.parent, node.name, node.ctime_ns
             node.parent, node.name = dst_dir.id, name_new
             node.ctime_ns = time.time_ns()
@@ -242,8 +241,8 @@ class Namespace:
             complete = node.children is not None or node.backing or (node.writers == 0 and self._clean(node))
             version = node.version
             try:
-                if not node.backing:
-                    await self._publish(node, STATE_COMPLETE if complete else STATE_WRITING)
+                job = await self._record_change("rename", node, old_path, new_path, alongside=None if node.backing
+                                                else self._publish(node, STATE_COMPLETE if complete else STATE_WRITING))
             except BaseException:
                 node.parent, node.name, node.ctime_ns = old_parent, old_name, old_ctime
                 raise
@@ -453,12 +452,19 @@ class Namespace:
         if d.backing and self.union is not None:
             await self.union.materialize(d)
 
-    async def _record_change(self, op: str, node: Node, rel: str, dst: str = "") -> DrainJob | None:
-        """Before the view's unlink, rmdir or rename of *rel* (under ``meta.lock``): its record, durable
-        on the devices (no later mount shows the old name), and the job to :meth:`_submit_change`."""
+    async def _record_change(self, op: str, node: Node, rel: str, dst: str = "",
+                             alongside: Coroutine[Any, Any, None] | None = None) -> DrainJob | None:
+        """The view's unlink, rmdir or rename of *rel* (under ``meta.lock``): its record, durable on the
+        devices (no later mount shows the old name), written while *alongside* (the call's manifest
+        change) runs; returns the job to :meth:`_submit_change`. Either order survives a crash
+        inside the call: a record counts only once the manifests show its change."""
         if self.feed is None:
+            if alongside is not None:
+                await alongside
             return None
-        return await self.feed.record(op, node, rel, dst)
+        job, record = self.feed.change_job(op, node, rel, dst)  # its seq before the manifest's
+        await together(self.feed.record(record), alongside)
+        return job
 
     def _submit_change(self, job: DrainJob | None) -> None:
         """Queue a recorded change for the backing directory (under ``meta.lock``: in the view's order)."""

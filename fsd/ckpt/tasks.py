@@ -4,7 +4,7 @@ mount's nursery, counted so that fsyncdir and unmount can wait for them."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import trio
@@ -41,3 +41,22 @@ class Tasks:
         """Wait until no background task runs."""
         while self.running:
             await self._finished.wait()
+
+
+async def together(*calls: Coroutine[Any, Any, None] | None) -> None:
+    """Await *calls* concurrently (None: skipped); the first failure is raised as itself, not in
+    an exception group (a FUSE handler maps an OSError to its errno)."""
+
+    async def run(c: Coroutine[Any, Any, None]) -> None:
+        await c
+
+    try:
+        async with trio.open_nursery() as n:
+            for c in calls:
+                if c is not None:
+                    n.start_soon(run, c)
+    except BaseExceptionGroup as eg:
+        first: BaseException = eg
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from eg
