@@ -7,7 +7,7 @@ the same relative path under the backing directory fd: ``<name>.fsd-drain.tmp``,
 owner, mode and times, rename over the name, fsync the directory: the backing directory never holds a
 half-written file under a real name, and an older backing file is replaced only once the new one is
 durable there.
-A copy whose backing file already has the size and mtime is skipped (drained by an earlier mount).
+A whole-tree copy whose backing file is tagged with its content is skipped (drained by an earlier mount).
 If the file changes, is renamed or unlinked before its turn, the job is skipped (it is submitted
 again when finished again, under its new name). One job at a time: draining must not steal flush
 bandwidth, and the order of the view's changes is kept.
@@ -62,7 +62,7 @@ class DrainJob:
     uid: int = -1  # -1: left as it is
     gid: int = -1
     # copy: the backing file may hold this content already, from an earlier mount (a whole-tree
-    # submission): skipped if its size and mtime match; a copy of a file just finished never is
+    # submission): skipped if the backing file is tagged with its content; a file just finished never is
     maybe_drained: bool = False
     content: str = ""  # copy: names the content (device set, node, data_seq); set on the copy as CONTENT_XATTR
     backing: bool = False  # meta: the node's content is the backing file's (its times apply)

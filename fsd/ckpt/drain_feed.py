@@ -46,7 +46,7 @@ class DrainFeed:
     def submit_tree(self, top: Node | None = None) -> None:
         """Queue every directory and published file (under *top*), parents first: at start, what
         an earlier mount did not drain; after a directory rename, its files under their new names
-        (a copy that an earlier mount drained is recognised by size and mtime, not copied again)."""
+        (a copy that an earlier mount drained is recognised by its content tag, not copied again)."""
         nodes = [n for n in self.tree.nodes.values() if n.linked and n.id != ROOT_ID and (
             top is None or self.tree.is_ancestor(top, n))]
         for node in sorted(nodes, key=self.tree.path):

@@ -41,7 +41,6 @@ from fsd.ckpt.writeback import WriteBack
 log = logging.getLogger(__name__)
 
 
-
 class Namespace:
     """Files and directories striped over *device_roots*, recovered from their manifests."""
 
