@@ -273,3 +273,45 @@ class ManualClock:
 
     def advance(self, s: float) -> None:
         self.t += s
+
+
+class CkptSetup:
+    """A checkpoint mount's directories under *root*: 3 device directories, the backing directory
+    and a mountpoint; ``args()`` mounts them (1M stripes, 32M dirty limit)."""
+
+    def __init__(self, root: Path) -> None:
+        self.devices = [root / f"nvme{i}" for i in range(3)]
+        self.back = root / "backing"
+        self.mnt = root / "mnt"
+        for d in [*self.devices, self.back, self.mnt]:
+            d.mkdir(parents=True, exist_ok=True)
+
+    def args(self, *extra: str, in_place: bool = False) -> list[Any]:
+        at = [] if in_place else ["--at", self.mnt]
+        return ["--checkpoints", self.back, *at, "--devices", ",".join(map(str, self.devices)),
+                "--stripe-size", "1M", "--dirty-limit", "32M", *extra]
+
+    def empty_devices(self) -> None:
+        """New devices: the backing directory is all that is left."""
+        import shutil
+
+        for d in self.devices:
+            shutil.rmtree(d)
+            d.mkdir()
+
+    def device_blocks(self) -> int:
+        """512-byte blocks of all data files on the devices."""
+        from fsd.ckpt.manifest import DATA_DIR
+
+        return sum(p.stat().st_blocks for d in self.devices for p in (d / DATA_DIR).iterdir())
+
+
+def fsd_unmount(m: Any, *flags: str, check: bool = True) -> tuple[int, str]:
+    """``fsd unmount`` of a test's mount: (exit status, stderr); with *check*, it must be 0. The
+    daemon is the test's child, reaped here so that the command sees it gone."""
+    u = subprocess.Popen(FSD + ["unmount", *flags, str(m.mountpoint)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    m.proc.wait(120)
+    _, err = u.communicate(timeout=60)
+    if check:
+        assert u.returncode == 0, err
+    return u.returncode, err

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FSD, REPO, wait_for
+from conftest import CkptSetup as Setup
+from conftest import FSD, REPO, fsd_unmount, wait_for
 
 from fsd.status import DRAINED_XATTR
 
@@ -22,37 +23,9 @@ pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
 MiB = 1 << 20
 
 
-class Setup:
-    def __init__(self, root: Path) -> None:
-        self.devices = [root / f"nvme{i}" for i in range(3)]
-        self.back = root / "backing"
-        self.mnt = root / "mnt"
-        for d in [*self.devices, self.back, self.mnt]:
-            d.mkdir(parents=True, exist_ok=True)
-
-    def args(self, *extra: str, in_place: bool = False) -> list[Any]:
-        at = [] if in_place else ["--at", self.mnt]
-        return ["--checkpoints", self.back, *at, "--devices", ",".join(map(str, self.devices)),
-                "--stripe-size", "1M", "--dirty-limit", "32M", *extra]
-
-    def empty_devices(self) -> None:
-        for d in self.devices:
-            shutil.rmtree(d)
-            d.mkdir()
-
-
 @pytest.fixture
 def ck(tmp_path: Path) -> Setup:
     return Setup(tmp_path)
-
-
-def _unmount(m: Any, *flags: str) -> None:
-    """``fsd unmount`` of the test's mount (its daemon is our child: reaped here, so that the
-    command sees it gone)."""
-    u = subprocess.Popen(FSD + ["unmount", *flags, str(m.mountpoint)], cwd=REPO, stderr=subprocess.PIPE, text=True)
-    m.proc.wait(120)
-    _, err = u.communicate(timeout=60)
-    assert u.returncode == 0, err
 
 
 def _sha(p: Path) -> str:
@@ -206,7 +179,7 @@ def test_a_fresh_mount_on_empty_devices_loads_the_drained_checkpoint(ck: Setup, 
     sd = _state(5, mib=8)
     (ck.mnt / "checkpoint-5").mkdir()
     _save(sd, ck.mnt / "checkpoint-5" / "model.pt")
-    _unmount(m)
+    fsd_unmount(m)
     ck.empty_devices()  # another node: nothing on its devices
     m = mounter(ck.args(), ck.mnt)
     assert _same(torch.load(ck.mnt / "checkpoint-5" / "model.pt"), sd)
@@ -218,7 +191,7 @@ def test_a_fresh_mount_on_empty_devices_loads_the_drained_checkpoint(ck: Setup, 
 def test_unmount_without_waiting_leaves_the_drain_to_the_next_mount(ck: Setup, mounter: Any) -> None:
     m = mounter(ck.args(), ck.mnt)
     sums = _write_random(ck.mnt, [f"ck-{i}.pt" for i in range(3)])
-    _unmount(m, "--no-wait-drain")
+    fsd_unmount(m, "--no-wait-drain")
     _no_leftovers(ck.back)
     m = mounter(ck.args(), ck.mnt)  # same devices: the drain goes on
     _drain_idle(m)

@@ -5,28 +5,14 @@ an empty directory reaches the backing directory."""
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FSD, REPO, wait_until
+from conftest import CkptSetup as Setup
+from conftest import fsd_unmount, wait_until
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
-
-
-class Setup:
-    def __init__(self, root: Path) -> None:
-        self.devices = [root / f"nvme{i}" for i in range(3)]
-        self.back = root / "backing"
-        self.mnt = root / "mnt"
-        for d in [*self.devices, self.back, self.mnt]:
-            d.mkdir(parents=True, exist_ok=True)
-
-    def args(self) -> list[Any]:
-        return ["--checkpoints", self.back, "--at", self.mnt, "--devices", ",".join(map(str, self.devices)),
-                "--stripe-size", "1M", "--dirty-limit", "32M"]
 
 
 @pytest.fixture
@@ -37,13 +23,6 @@ def ck(tmp_path: Path) -> Setup:
 def _idle(m: Any) -> bool:
     st = m.status()
     return not st["drain"]["queued"] and not st["pending_durability"]
-
-
-def _unmount(m: Any) -> None:
-    u = subprocess.Popen(FSD + ["unmount", str(m.mountpoint)], cwd=REPO, stderr=subprocess.PIPE, text=True)
-    m.proc.wait(120)
-    _, err = u.communicate(timeout=60)
-    assert u.returncode == 0, err
 
 
 def test_a_same_size_rewrite_then_chmod_reaches_the_backing_directory(ck: Setup, mounter: Any) -> None:
@@ -83,7 +62,7 @@ def test_a_backing_file_reads_and_writes_right_after_a_rename(ck: Setup, mounter
         with open(d / "c", "r+b") as f:
             f.write(b"x")
         assert (d / "c").read_bytes() == b"x" + want[1:]
-    _unmount(m)
+    fsd_unmount(m)
     assert sorted(os.listdir(ck.back / "d0")) == ["c"]
 
 
@@ -91,12 +70,10 @@ def test_an_empty_directory_reaches_the_backing_directory(ck: Setup, mounter: An
     m = mounter(ck.args(), ck.mnt)
     (ck.mnt / "checkpoint-5" / "sub").mkdir(parents=True)
     os.chmod(ck.mnt / "checkpoint-5", 0o750)
-    _unmount(m)
+    fsd_unmount(m)
     assert (ck.back / "checkpoint-5" / "sub").is_dir()
     assert (ck.back / "checkpoint-5").stat().st_mode & 0o777 == 0o750
-    for d in ck.devices:  # a mount on new devices finds it
-        shutil.rmtree(d)
-        d.mkdir()
+    ck.empty_devices()  # a mount on new devices finds it
     m = mounter(ck.args(), ck.mnt)
     assert (ck.mnt / "checkpoint-5" / "sub").is_dir()
-    _unmount(m)
+    fsd_unmount(m)

@@ -5,14 +5,12 @@ what the devices hold for it)."""
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FSD, REPO
-
-from fsd.ckpt.manifest import DATA_DIR
+from conftest import CkptSetup as Setup
+from conftest import fsd_unmount
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
 
@@ -20,35 +18,9 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
-class Setup:
-    def __init__(self, root: Path) -> None:
-        self.devices = [root / f"nvme{i}" for i in range(3)]
-        self.back = root / "backing"
-        self.mnt = root / "mnt"
-        for d in [*self.devices, self.back, self.mnt]:
-            d.mkdir(parents=True, exist_ok=True)
-
-    def args(self) -> list[Any]:
-        return ["--checkpoints", self.back, "--at", self.mnt, "--devices", ",".join(map(str, self.devices)),
-                "--stripe-size", "1M", "--dirty-limit", "32M"]
-
-    def device_blocks(self) -> int:
-        """512-byte blocks of all data files on the devices."""
-        return sum(p.stat().st_blocks for d in self.devices for p in (d / DATA_DIR).iterdir())
-
-
 @pytest.fixture
 def ck(tmp_path: Path) -> Setup:
     return Setup(tmp_path)
-
-
-def _unmount(m: Any) -> None:
-    """``fsd unmount`` of the test's mount, which waits for the drain (its daemon is our child:
-    reaped here, so that the command sees it gone)."""
-    u = subprocess.Popen(FSD + ["unmount", str(m.mountpoint)], cwd=REPO, stderr=subprocess.PIPE, text=True)
-    m.proc.wait(120)
-    _, err = u.communicate(timeout=60)
-    assert u.returncode == 0, err
 
 
 def _data_ranges(p: Path) -> list[tuple[int, int]]:
@@ -83,7 +55,7 @@ def test_one_byte_at_1gib_drains_although_two_devices_never_saw_the_file(ck: Set
     fd = os.open(ck.mnt / "one.bin", os.O_WRONLY | os.O_CREAT, 0o644)
     os.pwrite(fd, b"x", GiB)
     os.close(fd)
-    _unmount(m)
+    fsd_unmount(m)
     p = ck.back / "one.bin"
     assert sorted(os.listdir(ck.back)) == ["one.bin"], m.log_text()
     st = p.stat()
@@ -111,7 +83,7 @@ def test_holes_stay_holes_in_the_backing_directory(ck: Setup, mounter: Any) -> N
             assert os.pwrite(fd, b, off) == len(b)
     finally:
         os.close(fd)
-    _unmount(m)
+    fsd_unmount(m)
     p = ck.back / "sparse.bin"
     assert sorted(os.listdir(ck.back)) == ["sparse.bin"], m.log_text()
     assert p.stat().st_size == size
@@ -152,7 +124,7 @@ def test_changing_a_sparse_backing_file_moves_only_its_data_to_the_devices(ck: S
     for off, b in islands.items():
         assert _pread(ck.mnt / "pre.bin", off, len(b)) == b
     assert os.stat(ck.mnt / "pre.bin").st_size == size
-    _unmount(m)
+    fsd_unmount(m)
     assert ck.device_blocks() * 512 <= 16 * MiB  # was: 8 GiB of zeros copied onto the devices
     for off, b in islands.items():
         assert _pread(p, off, len(b)) == b

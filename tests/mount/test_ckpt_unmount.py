@@ -12,31 +12,12 @@ from typing import Any
 
 import pytest
 from conftest import FSD, REPO, wait_until
+from conftest import CkptSetup as Setup
+from conftest import fsd_unmount
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
 
 MiB = 1 << 20
-
-
-class Setup:
-    def __init__(self, root: Path) -> None:
-        self.devices = [root / f"nvme{i}" for i in range(3)]
-        self.back = root / "backing"
-        self.mnt = root / "mnt"
-        for d in [*self.devices, self.back, self.mnt]:
-            d.mkdir(parents=True, exist_ok=True)
-
-    def args(self, *extra: str) -> list[Any]:
-        return ["--checkpoints", self.back, "--at", self.mnt, "--devices", ",".join(map(str, self.devices)),
-                "--stripe-size", "1M", "--dirty-limit", "32M", *extra]
-
-
-def _unmount(m: Any, *flags: str) -> tuple[int, str]:
-    """``fsd unmount``; the daemon is our child, reaped here so that the command sees it gone."""
-    u = subprocess.Popen(FSD + ["unmount", *flags, str(m.mountpoint)], cwd=REPO, stderr=subprocess.PIPE, text=True)
-    m.proc.wait(120)
-    _, err = u.communicate(timeout=60)
-    return u.returncode, err
 
 
 def _kill(m: Any) -> None:
@@ -87,13 +68,13 @@ def test_removed_and_renamed_names_stay_so_whatever_the_flags(tmp_path: Path, mo
     if stop == "sigkill":
         _kill(m)
     else:
-        rc, err = _unmount(m, *(["--no-wait-drain"] if stop == "no-wait-drain" else []))
+        rc, err = fsd_unmount(m, *(["--no-wait-drain"] if stop == "no-wait-drain" else []), check=False)
         assert rc == 0, err
     m2 = mounter(ck.args(*(["--no-drain"] if remount == "no-drain" else [])), ck.mnt)
     assert set(os.listdir(ck.mnt)) == KEPT
     assert (ck.mnt / "b4r").read_bytes() == b"backing 4" * 1000
     assert (ck.mnt / "d2r").read_bytes() == b"device 2" * 1000
-    rc, err = _unmount(m2)
+    rc, err = fsd_unmount(m2, check=False)
     assert rc == 0, err
     backing = set(os.listdir(ck.back))
     assert not backing & REMOVED, backing
@@ -108,13 +89,13 @@ def test_unmount_without_waiting_says_what_is_left_and_the_next_mount_finishes_i
     m = mounter(ck.args(), ck.mnt)
     data = os.urandom(64 * MiB)
     _write(ck.mnt / "ckpt.pt", data)
-    rc, err = _unmount(m, "--no-wait-drain")
+    rc, err = fsd_unmount(m, "--no-wait-drain", check=False)
     assert rc == 0, err
     if not (ck.back / "ckpt.pt").exists():  # the drain had not finished: the unmount says so
         assert "left" in err, err
     m2 = mounter(ck.args(), ck.mnt)
     wait_until(lambda: _drained(m2), what="the drain finished by the next mount")
-    rc, err = _unmount(m2)
+    rc, err = fsd_unmount(m2, check=False)
     assert rc == 0, err
     assert (ck.back / "ckpt.pt").read_bytes() == data
 
