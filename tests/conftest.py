@@ -315,3 +315,23 @@ def fsd_unmount(m: Any, *flags: str, check: bool = True) -> tuple[int, str]:
     if check:
         assert u.returncode == 0, err
     return u.returncode, err
+
+
+def data_ranges(p: Path) -> list[tuple[int, int]]:
+    """(offset, length) of the data segments of file *p* (SEEK_DATA/SEEK_HOLE), written apart from
+    fsd's own so that a test of its holes does not trust the code under test."""
+    out = []
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        size, off = os.fstat(fd).st_size, 0
+        while off < size:
+            try:
+                lo = os.lseek(fd, off, os.SEEK_DATA)
+            except OSError:
+                break
+            hi = os.lseek(fd, lo, os.SEEK_HOLE)
+            out.append((lo, hi - lo))
+            off = hi
+    finally:
+        os.close(fd)
+    return out

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from conftest import CkptSetup as Setup
+from conftest import data_ranges as _data_ranges
 from conftest import fsd_unmount
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
@@ -21,25 +22,6 @@ GiB = 1 << 30
 @pytest.fixture
 def ck(tmp_path: Path) -> Setup:
     return Setup(tmp_path)
-
-
-def _data_ranges(p: Path) -> list[tuple[int, int]]:
-    """(offset, length) of the data segments of *p* (SEEK_DATA/SEEK_HOLE)."""
-    out = []
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        size, off = os.fstat(fd).st_size, 0
-        while off < size:
-            try:
-                lo = os.lseek(fd, off, os.SEEK_DATA)
-            except OSError:
-                break
-            hi = os.lseek(fd, lo, os.SEEK_HOLE)
-            out.append((lo, hi - lo))
-            off = hi
-    finally:
-        os.close(fd)
-    return out
 
 
 def _pread(p: Path, off: int, n: int) -> bytes:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import data_ranges as _data_ranges
 from conftest import device_dirs
 from hypothesis import given
 from hypothesis import strategies as st
@@ -84,25 +85,6 @@ def _copy(tmp_path: Path, roots: list[Path], job: DrainJob,
     finally:
         os.close(fd)
     return back / job.rel
-
-
-def _data_ranges(p: Path) -> list[tuple[int, int]]:
-    """(offset, length) of the data segments of *p* (SEEK_DATA/SEEK_HOLE)."""
-    out = []
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        size, off = os.fstat(fd).st_size, 0
-        while off < size:
-            try:
-                lo = os.lseek(fd, off, os.SEEK_DATA)
-            except OSError:
-                break
-            hi = os.lseek(fd, lo, os.SEEK_HOLE)
-            out.append((lo, hi - lo))
-            off = hi
-    finally:
-        os.close(fd)
-    return out
 
 
 def _read(p: Path, off: int, n: int) -> bytes:
