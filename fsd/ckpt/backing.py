@@ -107,18 +107,20 @@ class BackingReader:
         return o.fd
 
     async def _open(self, nid: int, o: _Open) -> None:
-        """Open *o*'s file on a worker thread, across a rename the drainer is applying right now."""
-        try:
-            await trio.to_thread.run_sync(self._fd, o, limiter=self.limiter)
-        except FileNotFoundError:
-            if self.moved is None or self.path_of is None:
-                raise
-            await self.moved()
-            rel = self.path_of(nid)
-            if rel is None or rel == o.rel:
-                raise
-            o.rel = rel
-            await trio.to_thread.run_sync(self._fd, o, limiter=self.limiter)
+        """Open *o*'s file on a worker thread, across the renames the drainer is applying: after
+        each change applied, the node's path again, for as long as it moves."""
+        while True:
+            try:
+                await trio.to_thread.run_sync(self._fd, o, limiter=self.limiter)
+                return
+            except FileNotFoundError:
+                if self.moved is None or self.path_of is None:
+                    raise
+                await self.moved()
+                rel = self.path_of(nid)
+                if rel is None or rel == o.rel:
+                    raise
+                o.rel = rel
 
     def _pread(self, o: _Open, off: int, n: int) -> bytes:
         t0 = time.perf_counter()
