@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -20,6 +20,7 @@ from fsd.ckpt.buffer_pool import BufferPool, Chunk
 from fsd.ckpt.device_io import DeviceIO, FlushJob
 from fsd.ckpt.file_state import FileState
 from fsd.ckpt.striping import align_up
+from fsd.ckpt.tasks import together
 
 log = logging.getLogger(__name__)
 
@@ -230,15 +231,11 @@ class Flusher:
             if not devs:
                 return
             try:
-                async with trio.open_nursery() as n:
-                    for d in devs:
-                        n.start_soon(self._in_thread, self.devices[d].fdatasync, f.id)
-            except BaseExceptionGroup as eg:
+                await together(*(self._in_thread(self.devices[d].fdatasync, f.id) for d in devs))
+            except BaseException as err:
                 f.unsynced.update(devs)
-                err = next(iter(_flatten(eg)))
                 if isinstance(err, OSError):
                     f.error = err.errno or errno.EIO
-                    raise err
                 raise
 
     def set_force(self, f: FileState) -> None:
@@ -246,10 +243,3 @@ class Flusher:
         f.force = True
         self.queue_file(f, "all")
 
-
-def _flatten(eg: BaseExceptionGroup) -> Iterable[BaseException]:
-    for e in eg.exceptions:
-        if isinstance(e, BaseExceptionGroup):
-            yield from _flatten(e)
-        else:
-            yield e
