@@ -91,6 +91,19 @@ def _check_room(fd: int, nbytes: int) -> None:
         raise OSError(errno.ENOSPC, "device full (its last MiB is kept for manifests)")
 
 
+def pread_full(fd: int | None, view: memoryview, off: int) -> None:
+    """Fill *view* from *fd* at *off*; what the file lacks past its end (or all of it: *fd* None,
+    no data file) reads as zero."""
+    n = 0
+    while fd is not None and n < len(view):
+        got = os.preadv(fd, [view[n:]], off + n)
+        if got == 0:
+            break
+        n += got
+    if n < len(view):
+        view[n:] = bytes(len(view) - n)
+
+
 def _pwritev_all(fd: int, views: list[memoryview], off: int) -> None:
     """pwritev until everything is written; a short write is retried so that the
     device's real error (ENOSPC, EIO) surfaces instead of a generic one."""
@@ -165,9 +178,6 @@ class FdCache:
                 self._release(e)
             self._open.clear()
 
-    def __len__(self) -> int:
-        return len(self._open)
-
     @staticmethod
     def _release(e: _Fd) -> None:
         if e.users:
@@ -233,16 +243,8 @@ class DeviceIO:
     # -- blocking operations -----------------------------------------------------------
     def pread_into(self, file_id: int, local_off: int, view: memoryview) -> None:
         """Fill *view* from the data file at *local_off*; missing bytes read as zero."""
-        n = 0
         with self.readers.use(file_id) as fd:
-            if fd is not None:
-                while n < len(view):
-                    got = os.preadv(fd, [view[n:]], local_off + n)
-                    if got == 0:
-                        break
-                    n += got
-        if n < len(view):
-            view[n:] = bytes(len(view) - n)
+            pread_full(fd, view, local_off)
 
     def fdatasync(self, file_id: int) -> None:
         """Make *file_id*'s data on this device durable, whichever fd wrote it (a write fd forgotten
@@ -251,14 +253,9 @@ class DeviceIO:
             if fd is not None:
                 os.fdatasync(fd)
                 return
-        try:
-            fd = os.open(self._path(file_id), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
+        with self.readers.use(file_id) as fd:  # any fd of the data file syncs it
+            if fd is not None:
+                os.fdatasync(fd)
 
     def truncate(self, file_id: int, length: int) -> int:
         """Cut *file_id*'s data file on this device to *length* bytes (if it exists); returns

@@ -32,6 +32,7 @@ from typing import Any
 import trio
 
 from fsd.ckpt import pending
+from fsd.ckpt.device_io import pread_full
 from fsd.ckpt.manifest import DATA_DIR, data_name
 from fsd.ckpt.striping import Layout, merge_ranges
 
@@ -183,16 +184,8 @@ def copy_out(device_roots: list[Path], job: DrainJob, backing_fd: int,
         """Read file bytes [off, off+n) into buffer *i* (what a device file lacks reads as zero)."""
         view = memoryview(bufs[i])
         for ext in layout.extents(off, n):
-            fd = fds[ext.device]
             rel_off = ext.file_off - off
-            got = 0
-            while fd is not None and got < ext.length:
-                r = os.preadv(fd, [view[rel_off + got:rel_off + ext.length]], ext.local_off + got)
-                if r == 0:
-                    break
-                got += r
-            if got < ext.length:
-                view[rel_off + got:rel_off + ext.length] = bytes(ext.length - got)
+            pread_full(fds[ext.device], view[rel_off:rel_off + ext.length], ext.local_off)
 
     try:
         for root in device_roots:  # all opened before the copy: one unlinked meanwhile still reads
