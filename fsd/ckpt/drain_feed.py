@@ -4,6 +4,8 @@ job still describes the file under its name."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fsd.ckpt import pending
 from fsd.ckpt.drain import DrainJob, Drainer
 from fsd.ckpt.manifest import ROOT_ID, MetaStore
@@ -58,9 +60,7 @@ class DrainFeed:
     def change(self, op: str, node: Node, rel: str, dst: str = "") -> None:
         """Queue a change of the view that needs no record (``meta``: a node's next complete
         manifest carries it) for the backing directory."""
-        self.drainer.submit(DrainJob(node.id, node.version, rel, op=op, dst=dst, mode=node.mode,
-                                     mtime_ns=node.mtime_ns, atime_ns=node.atime_ns, uid=node.uid, gid=node.gid,
-                                     backing=node.backing))
+        self.drainer.submit(self._job(node, op, rel, dst, backing=node.backing))
 
     def change_job(self, op: str, node: Node, rel: str, dst: str = "") -> tuple[DrainJob, pending.Change]:
         """The job of an ``unlink``, ``rmdir`` or ``rename`` (to *dst*) of *rel* and its record, to
@@ -68,8 +68,13 @@ class DrainFeed:
         before the manifests the same call writes (callers hold the meta lock, which orders the
         records as the view's changes)."""
         c = pending.Change(self.meta.take_seq(), op, rel, dst, node.id, node.recorded)
-        return DrainJob(node.id, node.version, rel, op=op, dst=dst, mode=node.mode,
-                        mtime_ns=node.mtime_ns, atime_ns=node.atime_ns, pending=c.seq), c
+        return self._job(node, op, rel, dst, pending=c.seq), c
+
+    @staticmethod
+    def _job(node: Node, op: str, rel: str, dst: str, **kw: Any) -> DrainJob:
+        """A change's job, with *node*'s owner, mode and times as they are now."""
+        return DrainJob(node.id, node.version, rel, op=op, dst=dst, mode=node.mode, mtime_ns=node.mtime_ns,
+                        atime_ns=node.atime_ns, uid=node.uid, gid=node.gid, **kw)
 
     async def record(self, c: pending.Change) -> None:
         """Write record *c* durably on every device."""
