@@ -56,8 +56,9 @@ class Namespace:
         self.device_ids = rec.device_ids
         self.wb = WriteBack(self.device_roots, dirty_limit=dirty_limit, chunk_size=chunk_size,
                             threads_per_device=threads_per_device)
-        # a pending change's record left by an earlier mount keeps its place in the sequence
-        self.meta = MetaStore(self.device_roots, max(rec.next_seq, pending.newest_seq(self.device_roots) + 1))
+        # the records of changes an earlier mount left keep their places in the sequence
+        left = pending.load(self.device_roots)
+        self.meta = MetaStore(self.device_roots, max([rec.next_seq, *(c.seq + 1 for c in left[0])]))
         self.meta.on_error = self.wb.manifest_error
         self.next_id = rec.next_id
         self._uid_index = {u: i for i, u in enumerate(self.device_ids)}
@@ -77,7 +78,7 @@ class Namespace:
         self.failed_at_start = set(self.failed)
         self.replayed: dict[str, object] | None = None
         if backing_fd is not None:
-            self.replayed = pending.replay(self.device_roots, rec.nodes, lambda c: apply_change(
+            self.replayed = pending.replay(self.device_roots, left, rec.nodes, lambda c: apply_change(
                 DrainJob(c.node, 0, c.rel, op=c.op, dst=c.dst), backing_fd))
             self.drainer = Drainer(self.device_roots, backing_fd, lambda job: False)
             self.feed = DrainFeed(self.tree, self.drainer, self.meta, copies=drain, devices_id=self.device_ids[0])

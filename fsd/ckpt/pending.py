@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fsd.ckpt.manifest import Manifest, ManifestError, fsync_dir, unlink_quiet, seal, unseal, write_atomic
+from fsd.ckpt.manifest import Manifest, ManifestError, fsync_dir, seal, unlink_quiet, unseal, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +116,11 @@ def happened(c: Change, nodes: dict[int, Manifest]) -> bool:
     return m is None or m.seq > c.seq
 
 
-def replay(device_roots: list[Path], nodes: dict[int, Manifest],
+def replay(device_roots: list[Path], loaded: tuple[list[Change], list[str]], nodes: dict[int, Manifest],
            apply: Callable[[Change], None]) -> dict[str, object]:
-    """Apply the changes left over by an earlier mount that took effect, oldest first, and forget
-    every record; returns a report for status."""
-    changes, problems = load(device_roots)
+    """Apply the changes an earlier mount left (*loaded*: :func:`load`'s answer) that took effect,
+    oldest first, and forget every record; returns a report for status."""
+    changes, problems = loaded
     done = skipped = 0
     errors: list[str] = []
     for c in changes:
@@ -137,9 +137,3 @@ def replay(device_roots: list[Path], nodes: dict[int, Manifest],
     if done or skipped or errors:
         log.info("backing directory: %d pending changes of an earlier mount applied, %d not made", done, skipped)
     return {"applied": done, "not_made": skipped, "errors": errors + problems}
-
-
-def newest_seq(device_roots: list[Path]) -> int:
-    """The highest sequence number among the records (0 if none)."""
-    changes, _ = load(device_roots)
-    return max((c.seq for c in changes), default=0)
