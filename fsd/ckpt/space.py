@@ -86,27 +86,21 @@ class SpaceManager:
             self._kick = trio.Event()
             while self.wb.flusher.waiting_room:
                 cands = self.candidates()
-                if cands:
-                    await self.evict(cands[0])
-                    self.wb.flusher.retry_room()
-                    await trio.sleep(0)  # let the retried flushes run before evicting more
-                    if self.wb.flusher.waiting_room:
-                        continue
-                    break
-                if self.room_may_come():
+                if not cands and self.room_may_come():
                     with trio.move_on_after(0.1):  # also a close-time publish that submits a copy
                         await self.feed.drainer.progressed()
                     continue
-                kept = self.candidates(keep=0)  # the recent checkpoints' drained files, before ENOSPC
-                if kept:
+                if not cands:
+                    cands = self.candidates(keep=0)  # the recent checkpoints' drained files, before ENOSPC
+                    if not cands:
+                        log.error("devices full of undrained data: ENOSPC to the writers")
+                        self.wb.flusher.fail_room()
+                        break
                     log.warning("devices full: evicting %s although it is among the %d most recent checkpoints",
-                                self.tree.path(kept[0]), self.keep)
-                    await self.evict(kept[0])
-                    self.wb.flusher.retry_room()
-                    await trio.sleep(0)
-                    continue
-                log.error("devices full of undrained data: ENOSPC to the writers")
-                self.wb.flusher.fail_room()
+                                self.tree.path(cands[0]), self.keep)
+                await self.evict(cands[0])
+                self.wb.flusher.retry_room()
+                await trio.sleep(0)  # let the retried flushes run before evicting more
 
     async def evict(self, node: Node) -> None:
         """Drop *node*'s stripes from the devices; it is read from the backing directory after."""
