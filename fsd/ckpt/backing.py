@@ -106,9 +106,11 @@ class BackingReader:
             o.fd = os.open(o.rel, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=self.backing_fd)
         return o.fd
 
-    async def _open(self, nid: int, o: _Open) -> None:
-        """Open *o*'s file on a worker thread, across the renames the drainer is applying: after
-        each change applied, the node's path again, for as long as it moves."""
+    async def _open(self, nid: int, o: _Open, rel: str) -> None:
+        """Open *o*'s file, at the node's path *rel* now (it may have been renamed since the last
+        read), on a worker thread, across the renames the drainer is applying: after each change
+        applied, the node's path again, for as long as it moves."""
+        o.rel = rel
         while True:
             try:
                 await trio.to_thread.run_sync(self._fd, o, limiter=self.limiter)
@@ -144,8 +146,7 @@ class BackingReader:
         if off >= end:
             return b""
         if o.fd < 0:
-            o.rel = rel  # the node's path now (it may have been renamed since the last read)
-            await self._open(nid, o)
+            await self._open(nid, o, rel)
         B = self.block
         sequential = off == 0 or abs(off - o.read_end) <= 2 * B
         o.read_end = end
@@ -174,8 +175,7 @@ class BackingReader:
         """``(offset, length)`` of the data of backing file *rel* below *size*: its holes skipped."""
         o = self._state(nid, rel, size)
         if o.fd < 0:
-            o.rel = rel
-            await self._open(nid, o)
+            await self._open(nid, o, rel)
 
         def ranges() -> list[tuple[int, int]]:
             return data_segments(self._fd(o), size)
