@@ -335,3 +335,22 @@ def data_ranges(p: Path) -> list[tuple[int, int]]:
     finally:
         os.close(fd)
     return out
+
+
+def assert_islands(p: Path, islands: dict[int, bytes], max_segment: int | None = None) -> None:
+    """File *p* holds *islands* (offset -> bytes) and zeros elsewhere: the islands are read, and
+    every data segment (holes read as zero) holds nothing else; with *max_segment*, no segment is
+    longer (holes were kept)."""
+    with open(p, "rb") as f:
+        for off, b in islands.items():
+            f.seek(off)
+            assert f.read(len(b)) == b, f"island at {off}"
+        for lo, n in data_ranges(p):
+            assert max_segment is None or n <= max_segment, (lo, n)
+            f.seek(lo)
+            got = bytearray(f.read(n))
+            for off, b in islands.items():
+                a, e = max(off, lo), min(off + len(b), lo + n)
+                if a < e:
+                    got[a - lo:e - lo] = bytes(e - a)
+            assert not any(got), f"non-zero bytes outside the islands in [{lo}, {lo + n})"
