@@ -76,9 +76,9 @@ class DrainFeed:
         return DrainJob(node.id, node.version, rel, op=op, dst=dst, mode=node.mode, mtime_ns=node.mtime_ns,
                         atime_ns=node.atime_ns, uid=node.uid, gid=node.gid, **kw)
 
-    async def record(self, c: pending.Change) -> None:
-        """Write record *c* durably on every device."""
-        await self.meta.on_every_device(pending.write, c)
+    async def record(self, c: pending.Change, remove: int | None = None) -> None:
+        """Write record *c* durably on every device, removing node *remove*'s manifest with it."""
+        await self.meta.on_every_device(pending.write, c, remove=remove)
 
     def submit_change(self, job: DrainJob) -> None:
         """Queue a recorded change (once the view has made it)."""

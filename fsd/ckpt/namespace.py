@@ -179,8 +179,7 @@ class Namespace:
                 raise _error(errno.ENOTDIR)
             if node.children:
                 raise _error(errno.ENOTEMPTY)
-            job = await self._record_change("rmdir", node, self.path(node),
-                                            alongside=self.meta.remove(node.id) if node.recorded else None)
+            job = await self._record_change("rmdir", node, self.path(node), remove=node.recorded)
             self.tree.detach(node)
             self._submit_change(job)
         self._maybe_free(node)
@@ -191,8 +190,7 @@ class Namespace:
             node = self.child(parent, name)
             if node.children is not None:
                 raise _error(errno.EISDIR)
-            job = await self._record_change("unlink", node, self.path(node),
-                                            alongside=self.meta.remove(node.id) if node.recorded else None)
+            job = await self._record_change("unlink", node, self.path(node), remove=node.recorded)
             node.recorded = node.published = False
             self.tree.detach(node)
             node.ctime_ns = time.time_ns()
@@ -452,18 +450,18 @@ class Namespace:
         if d.backing and self.union is not None:
             await self.union.materialize(d)
 
-    async def _record_change(self, op: str, node: Node, rel: str, dst: str = "",
+    async def _record_change(self, op: str, node: Node, rel: str, dst: str = "", *, remove: bool = False,
                              alongside: Coroutine[Any, Any, None] | None = None) -> DrainJob | None:
         """The view's unlink, rmdir or rename of *rel* (under ``meta.lock``): its record, durable on the
-        devices (no later mount shows the old name), written while *alongside* (the call's manifest
-        change) runs; returns the job to :meth:`_submit_change`. Either order survives a crash
-        inside the call: a record counts only once the manifests show its change."""
+        devices (no later mount shows the old name), with the node's manifest removed in the same sync
+        (*remove*) or written while *alongside* (a rename's new manifest) runs; returns the job to
+        :meth:`_submit_change`. Either order survives a crash inside the call: a record counts only
+        once the manifests show its change."""
         if self.feed is None:
-            if alongside is not None:
-                await alongside
+            await together(self.meta.remove(node.id) if remove else None, alongside)
             return None
         job, record = self.feed.change_job(op, node, rel, dst)  # its seq before the manifest's
-        await together(self.feed.record(record), alongside)
+        await together(self.feed.record(record, node.id if remove else None), alongside)
         return job
 
     def _submit_change(self, job: DrainJob | None) -> None:

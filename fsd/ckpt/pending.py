@@ -15,6 +15,7 @@ here block: worker threads only.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -22,12 +23,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fsd.ckpt.manifest import Manifest, ManifestError, fsync_dir, seal, unlink_quiet, unseal, write_atomic
+from fsd.ckpt import manifest
+from fsd.ckpt.manifest import Manifest, ManifestError, fsync_dir, seal, unlink_quiet, unseal
 
 log = logging.getLogger(__name__)
 
 PENDING_DIR = "fsd-ckpt/pending"
 OPS = ("unlink", "rmdir", "rename")
+XATTR = "user.fsd.change"
+_NO_ROOM = (errno.ENOTSUP, errno.ENOSPC, errno.E2BIG, errno.ERANGE)
+"""setxattr errors that send a record into the file's data instead (no user xattrs, or too long)."""
 
 
 @dataclass(frozen=True)
@@ -62,11 +67,50 @@ def _name(seq: int) -> str:
     return f"{seq:016x}.c"
 
 
-def write(device_root: Path, c: Change) -> None:
-    """Record *c* durably on one device."""
+def write(device_root: Path, c: Change, *, remove: int | None = None) -> None:
+    """Record *c* durably on one device; with *remove*, that node's manifest goes in the same sync.
+
+    The record is an extended attribute of an empty file where the filesystem takes one: metadata,
+    so its ``fsync`` is a journal commit that does not wait behind the device's queued data writes
+    (a record in file data waits for its data block, a whole stripe write on a busy device). One
+    ``fsync`` carries the record and the removal; another filesystem may make either durable
+    first, which :func:`happened` allows for."""
     d = device_root / PENDING_DIR
     d.mkdir(parents=True, exist_ok=True)
-    write_atomic(d, _name(c.seq), c.encode(), tag=c.seq)
+    final = d / _name(c.seq)
+    tmp = d / (final.name + ".tmp")  # a crash before the rename leaves a tmp, which load drops
+    data = c.encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            os.setxattr(fd, XATTR, data)
+        except OSError as e:
+            if e.errno not in _NO_ROOM:
+                raise
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.EIO, f"short write of {final}") from None
+        os.rename(tmp, final)
+        if remove is not None:
+            manifest.remove(device_root, remove, durable=False)
+        os.fsync(fd)
+    except BaseException:
+        unlink_quiet(tmp)
+        raise
+    finally:
+        os.close(fd)
+    fsync_dir(d)
+    if remove is not None:
+        manifest.sync_dir(device_root)
+
+
+def _read(p: Path) -> bytes:
+    """A record's bytes: its extended attribute, else its data (see :func:`write`)."""
+    try:
+        return os.getxattr(p, XATTR)
+    except OSError as e:
+        if e.errno not in (errno.ENODATA, errno.ENOTSUP):
+            raise
+    return p.read_bytes()
 
 
 def forget(device_roots: list[Path], seq: int) -> None:
@@ -99,7 +143,7 @@ def load(device_roots: list[Path]) -> tuple[list[Change], list[str]]:
                 unlink_quiet(p)
                 continue
             try:
-                c = Change.decode(p.read_bytes())
+                c = Change.decode(_read(p))
             except (ManifestError, OSError) as e:
                 problems.append(f"{p}: {e}")
                 unlink_quiet(p)

@@ -131,3 +131,20 @@ def test_a_record_keeps_its_place_in_the_sequence_of_the_next_mount(tmp_path: Pa
         ns.wb.pool.close()
     finally:
         os.close(bfd)
+
+
+def test_a_record_written_with_a_removal_leaves_the_record_and_no_manifest(tmp_path: Path) -> None:
+    """An unlink's record and its manifest's removal share one sync per device; neither is left half done."""
+    from fsd.ckpt import manifest
+
+    root = device_dirs(tmp_path, 1)[0]
+    (root / manifest.META_DIR).mkdir(parents=True, exist_ok=True)
+    manifest.publish(root, _manifest(6, 3))
+    c = pending.Change(9, "unlink", "f", node=6, device=True)
+    pending.write(root, c, remove=6)
+    assert not (root / manifest.META_DIR / manifest.meta_name(6)).exists()
+    assert sorted(os.listdir(root / pending.PENDING_DIR)) == ["0000000000000009.c"]
+    assert pending.load([root]) == ([c], [])
+    long = pending.Change(10, "rename", "d/" + "x" * 250, "/".join(["y" * 250] * 16), node=7)  # past an xattr's room
+    pending.write(root, long)
+    assert pending.load([root]) == ([c, long], [])
