@@ -5,10 +5,11 @@ optional Prometheus exporter, the owned-file store and, for each plan the cluste
 :class:`.source.ClusterSource` that the dataset cache fetches through. The router calls
 :meth:`ClusterMember.attach` (worker thread) with every new plan before its cache follows it:
 
-- a plan the cluster cannot share - not one ``distributed`` plan (a job plan of loaders, another
-  sampler), or ranks that do not match the cluster's node -> ranks layout - is refused for
-  sharing: the node reads the PFS alone with its normal tiers, and says why (status, ``.fsd/error``);
-- otherwise the owner map is computed from the global plan and the listing (names and sizes),
+- a plan the cluster cannot share - ranks that do not match the cluster's node -> ranks layout, a
+  loader that only some of the node's ranks read (who reads it elsewhere is unknown) - is refused
+  for sharing: the node reads the PFS alone with its normal tiers, and says why (status, ``.fsd/error``);
+- otherwise the owner map is computed from the job's global reads (every loader: train and
+  validation alike) and the listing (names and sizes),
   its fingerprint is what peers must match (a peer with another plan is neither served nor
   asked: never wrong bytes), and the cache's RAM tier is handed to the owned-file store.
 
@@ -20,11 +21,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
+from .compat import Built, PlanError
 from .config import ClusterConfig, ClusterConfigError, check_node_ranks, join_address, split_address
 from .metrics import MetricsServer
 from .ownership import ClusterPlan
@@ -84,16 +85,22 @@ class ClusterMember:
                 raise
 
     # ------------------------------------------------------------------ plans
-    def attach(self, job: Any, paths: Sequence[str], cache: SharedCache) -> list[str]:
+    def attach(self, built: Built, cache: SharedCache) -> list[str]:
         """A new plan for *cache* (worker thread, before the cache follows it); warnings for ``.fsd/error``."""
         t0 = time.monotonic()
-        reason, cp = self._global_plan(job, paths, cache)
-        if cp is None:
+        paths = built.paths
+        reason, cp = self._global_plan(built, cache)
+        own = None
+        if cp is not None:
+            try:
+                own = cp.ownership()
+            except PlanError as e:
+                reason = str(e).removeprefix("plan: ")
+        if cp is None or own is None:
             self._share(None, cache, None, reason)
             log.warning("cluster: not sharing this plan (%s); reading from the PFS alone", reason)
             return [f"cluster: this plan is not shared with the other nodes: {reason}; this node reads the "
                     "PFS alone"]
-        own = cp.ownership()
         fp = cp.fingerprint()
         with self._lock:
             same_listing = self._paths == tuple(paths)
@@ -113,24 +120,19 @@ class ClusterMember:
                  mine["files"], mine["cached_files"], mine["cached_bytes"], time.monotonic() - t0)
         return []
 
-    def _global_plan(self, job: Any, paths: Sequence[str], cache: SharedCache) -> tuple[str, ClusterPlan | None]:
-        plan = getattr(job, "legacy", None)
+    def _global_plan(self, built: Built, cache: SharedCache) -> tuple[str, ClusterPlan | None]:
+        job, paths = built.plan, built.paths
         if self.cfg.size == 1:
             return "a cluster of one node has no peer to share with", None
-        if plan is None:
-            return ("a job plan of loaders is not shared (write one plan with \"sampler\": \"distributed\" to "
-                    "share)", None)
-        if plan.sampler != "distributed":
-            return f"the sampler is \"{plan.sampler}\", not \"distributed\"", None
         try:
-            layout = check_node_ranks(self.cfg, plan.num_replicas, plan.ranks)
+            layout = check_node_ranks(self.cfg, job.num_replicas, job.ranks)
         except ClusterConfigError as e:
             return str(e), None
         try:
             sizes = np.array([cache.backend.size(i) for i in range(len(paths))], dtype=np.int64)
         except OSError as e:
             return f"cannot stat the dataset's files: {e}", None
-        return "", ClusterPlan(plan, layout, tuple(paths), sizes, tuple(self.capacities))
+        return "", ClusterPlan(job, built.listing, layout, sizes, tuple(self.capacities), built.indices)
 
     def _share(self, source: ClusterSource | None, cache: SharedCache, fp: str | None, reason: str) -> None:
         with self._lock:

@@ -31,22 +31,22 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .compat import Plan, distributed_epoch, distributed_sizes
+from .compat import JobListing, JobPlan, world_reads
 from .config import ClusterConfigError, node_of_rank
 
 log = logging.getLogger(__name__)
 
-FINGERPRINT_VERSION = b"fsd-cluster-plan-v1"
+FINGERPRINT_VERSION = b"fsd-cluster-plan-v2"
 MAX_STRADDLERS = 1 << 16
 """Files re-laid one by one after a strict fill (at most about one per node boundary)."""
-_PLAN_KEYS = ("sampler", "seed", "epochs", "start_epoch", "num_replicas", "shuffle", "drop_last", "order",
-              "list_file")
+_NODE_KEYS = ("ranks", "num_workers", "prefetch_factor")
+"""Plan keys that differ from node to node without changing what the job reads: not fingerprinted."""
 
 
 @dataclass(frozen=True)
@@ -81,37 +81,39 @@ class Ownership:
 # --------------------------------------------------------------------------- inputs from the plan
 
 
-def node_read_counts(plan: Plan, n_files: int, node_ranks: Sequence[Sequence[int]]) -> np.ndarray:
-    """How often each node reads each file over the plan's remaining epochs: ``(nodes, n_files)``.
+def node_read_counts(job: JobPlan, listing: JobListing, node_ranks: Sequence[Sequence[int]],
+                     indices: Mapping[str, Sequence[np.ndarray]] | None = None) -> np.ndarray:
+    """How often each node reads each file over the job's remaining epochs: ``(nodes, files)``.
 
-    The plan is the job's global plan (sampler ``distributed``): one permutation per epoch
-    serves every rank, exactly as ``DistributedSampler`` draws it (``fsd.sampler``).
-    uint16 while the counts fit, else uint32: 2 bytes x nodes x files (166 MB at 64 x 1.3 M).
+    From the job's global reads (:func:`world_reads`: every rank of every loader, train and
+    validation alike); a node counts the reads of its ranks. uint16 while the counts surely fit,
+    else uint32: 2 bytes x nodes x files (166 MB at 64 x 1.3 M).
     """
-    if plan.sampler != "distributed":
-        raise ClusterConfigError(f"cluster mode needs the \"distributed\" sampler in the plan, "
-                                 f"not \"{plan.sampler}\"")
-    n_nodes = len(node_ranks)
-    rank_node = np.asarray(node_of_rank(node_ranks, plan.num_replicas), dtype=np.int64)
+    n_nodes, n_files = len(node_ranks), len(listing.paths)
+    rank_node = np.asarray(node_of_rank(node_ranks, job.num_replicas), dtype=np.int64)
     if (rank_node < 0).any():
         raise ClusterConfigError("node_ranks leaves some ranks of the plan on no node")
-    ns, _ = distributed_sizes(n_files, plan.num_replicas, plan.drop_last)
-    n_e = plan.epochs - plan.start_epoch
-    per_epoch_max = -(-ns * plan.num_replicas // max(1, n_files)) if n_files else 0
-    dtype = np.uint16 if n_e * per_epoch_max < (1 << 16) else np.uint32
-    counts = np.zeros((n_nodes, n_files), dtype=dtype)
-    if n_files == 0 or ns == 0:
-        return counts
-    ranks = np.arange(plan.num_replicas)
-    pos = ranks[:, None] + np.arange(ns, dtype=np.int64)[None, :] * plan.num_replicas  # sampler positions
-    first = (pos < n_files).ravel()  # positions past n are torch's padding: repeats of earlier ones
-    nodes_flat = np.repeat(rank_node, ns)
-    for e in plan.remaining_epochs:
-        idx = distributed_epoch(n_files, e, ranks, num_replicas=plan.num_replicas, seed=plan.seed,
-                                shuffle=plan.shuffle, drop_last=plan.drop_last).ravel()
-        counts[nodes_flat[first], idx[first]] += 1  # a permutation: no (node, file) pair twice
+    counts = np.zeros((n_nodes, n_files), dtype=np.uint16)
+    bound = 0  # the most any count can be so far
+    for w in world_reads(job, listing, indices):
+        per_node = np.bincount(rank_node[w.ranks], minlength=n_nodes)
+        if w.files.shape[0] == 1:  # one row that every rank reads
+            once = np.bincount(w.files[0], minlength=n_files)
+            bound += int(per_node.max()) * int(once.max(initial=0))
+        else:  # one row per rank; an entry that is no repeat is the epoch's only read of its sample
+            pad = int(w.repeats.sum()) if w.repeats is not None else 0
+            bound += 1 + -(-pad // max(1, w.files.size - pad))
+        if bound > np.iinfo(counts.dtype).max:
+            counts = counts.astype(np.uint32)
+        if w.files.shape[0] == 1:
+            for k in np.flatnonzero(per_node):
+                counts[k] += (once * int(per_node[k])).astype(counts.dtype)
+            continue
+        nodes = np.broadcast_to(rank_node[w.ranks][:, None], w.files.shape)
+        first = ~w.repeats if w.repeats is not None else np.ones(w.files.shape, dtype=bool)
+        counts[nodes[first], w.files[first]] += 1  # a permutation: no (node, file) pair twice
         if not first.all():
-            np.add.at(counts, (nodes_flat[~first], idx[~first]), 1)
+            np.add.at(counts, (nodes[~first], w.files[~first]), 1)
     return counts
 
 
@@ -349,22 +351,30 @@ def compute_ownership(sizes: np.ndarray, counts: np.ndarray, capacities: Sequenc
 # --------------------------------------------------------------------------- the fingerprint
 
 
-def plan_fingerprint(plan: Plan, node_ranks: Sequence[Sequence[int]], names: Sequence[str],
-                     sizes: np.ndarray, capacities: Sequence[int] | None) -> str:
+def plan_fingerprint(job: JobPlan, node_ranks: Sequence[Sequence[int]], names: Sequence[str],
+                     sizes: np.ndarray, capacities: Sequence[int] | None,
+                     indices: Mapping[str, Sequence[np.ndarray]] | None = None) -> str:
     """A stable hex digest of everything the owner map depends on.
 
-    Covers the global plan (not this node's own ``ranks``, nor the DataLoader sizing that
-    does not change which node reads what), the node -> ranks layout, the dataset listing
-    (names in file-id order and sizes) and the capacities. Peers compare it before sharing:
-    equal digests mean equal owner maps and equal file ids for equal names.
+    Covers the job's plan (every loader; not this node's own ranks, nor the DataLoader sizing that
+    does not change which node reads what), the rows of its ``indices`` loaders, the node -> ranks
+    layout, the dataset listing (names in file-id order and sizes) and the capacities. Peers
+    compare it before sharing: equal digests mean equal owner maps and equal file ids for equal names.
     """
-    d = plan.to_dict()
-    head: dict[str, Any] = {k: d.get(k) for k in _PLAN_KEYS}
+    d = job.to_dict()
+    head: dict[str, Any] = {k: v for k, v in d.items() if k not in _NODE_KEYS}
+    head["loaders"] = [{k: v for k, v in ld.items()
+                        if k not in _NODE_KEYS and (k != "batch_size" or ld.get("drop_last_batch"))}
+                       for ld in d["loaders"]]  # the batch size changes what is read only with drop_last_batch
     head["node_ranks"] = [sorted(int(r) for r in rs) for rs in node_ranks]
     head["capacities"] = None if capacities is None else [int(c) for c in capacities]
     head["files"] = len(names)
     h = hashlib.sha256(FINGERPRINT_VERSION + b"\0")
     h.update(json.dumps(head, sort_keys=True, separators=(",", ":")).encode())
+    for name in sorted(indices or {}):
+        h.update(b"\0" + name.encode())
+        for row in (indices or {})[name]:
+            h.update(b"\0" + np.ascontiguousarray(row, dtype="<i8").tobytes())
     h.update(b"\0")
     h.update("\0".join(names).encode("utf-8", "surrogateescape"))
     h.update(b"\0")
@@ -376,19 +386,21 @@ def plan_fingerprint(plan: Plan, node_ranks: Sequence[Sequence[int]], names: Seq
 class ClusterPlan:
     """The inputs every node shares, and what it derives from them."""
 
-    plan: Plan
+    job: JobPlan
+    listing: JobListing
     node_ranks: tuple[tuple[int, ...], ...]
-    names: tuple[str, ...]
     sizes: np.ndarray
     capacities: tuple[int, ...]
+    indices: Mapping[str, Sequence[np.ndarray]] = field(default_factory=dict)
 
     def fingerprint(self) -> str:
         """See :func:`plan_fingerprint`."""
-        return plan_fingerprint(self.plan, self.node_ranks, self.names, self.sizes, self.capacities)
+        return plan_fingerprint(self.job, self.node_ranks, self.listing.paths, self.sizes, self.capacities,
+                                self.indices)
 
     def counts(self) -> np.ndarray:
         """See :func:`node_read_counts`."""
-        return node_read_counts(self.plan, len(self.sizes), self.node_ranks)
+        return node_read_counts(self.job, self.listing, self.node_ranks, self.indices)
 
     def ownership(self) -> Ownership:
         """See :func:`compute_ownership`."""

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +53,7 @@ class ReadRouter:
         fetch_threads: int,
         inodes: InodeTable,
         kernel: PageCachePort | None,
-        attach: Callable[[Any, Sequence[str], Any], list[str]] | None = None,
+        attach: Callable[[Any, Any], list[str]] | None = None,
     ) -> None:
         self.root_fd = root_fd
         self.ram_bytes = ram_bytes
@@ -62,7 +62,7 @@ class ReadRouter:
         self.fetch_threads = fetch_threads
         self.inodes = inodes
         self.kernel = kernel
-        self.attach = attach  # (plan, paths, cache) -> warnings: called before a cache follows a new plan
+        self.attach = attach  # (built plan, cache) -> warnings: called before a cache follows a new plan
         self._lock = threading.Lock()
         self._active: _Active | None = None
         self._unplanned_reads = 0
@@ -106,7 +106,7 @@ class ReadRouter:
         warnings = list(built.warnings)
         if old is not None and old.paths == paths:
             if self.attach is not None:
-                warnings += self.attach(plan, paths, old.cache)
+                warnings += self.attach(built, old.cache)
             old.cache.set_plan(stream)
             new = _Active(plan, paths, old.files, old.cache)
         else:
@@ -122,7 +122,7 @@ class ReadRouter:
                 on_read=self.reads.record,
             )
             if self.attach is not None:
-                warnings += self.attach(plan, paths, cache)
+                warnings += self.attach(built, cache)
             cache.set_plan(stream)
             cache.start()
             new = _Active(plan, paths, files, cache)

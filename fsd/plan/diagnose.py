@@ -190,7 +190,7 @@ def _with_loader(job: JobPlan, name: str, **change: object) -> JobPlan:
         elif ld.leftover_of == name and "root" in change:
             ld = replace(ld, root=change["root"])  # type: ignore[arg-type]
         out.append(ld)
-    return replace(job, loaders=tuple(out), legacy=None)
+    return replace(job, loaders=tuple(out))
 
 
 def _roots(paths: Sequence[str], ld: Loader, share: float) -> list[str]:
@@ -268,7 +268,7 @@ def candidates(job: JobPlan, read_paths: Sequence[str]) -> Iterator[Candidate]:
                                 _with_loader(job, ld.name, sampler="random", seed=s))
         for root in _roots(read_paths, ld, 0.1):
             shown = root or "."
-            if job.legacy is None:
+            if not job.flat:
                 hint = f"write \"root\": \"{shown}\" for {who}"
             else:
                 who = "the job"
@@ -283,7 +283,7 @@ def candidates(job: JobPlan, read_paths: Sequence[str]) -> Iterator[Candidate]:
             detail = (f"the job runs with world size {world} (this node's ranks {list(ranks)}), the plan says "
                       f"{job.num_replicas} (ranks {list(job.ranks)})")
             yield Candidate("world_size", None, detail, f"write \"num_replicas\": {world}, \"ranks\": {list(ranks)}",
-                            replace(job, num_replicas=world, ranks=ranks, loaders=loaders, legacy=None))
+                            replace(job, num_replicas=world, ranks=ranks, loaders=loaders))
 
 
 def _memo(lister: Lister) -> Lister:

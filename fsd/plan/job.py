@@ -2,7 +2,8 @@
 in the epoch (``JobPlan``), and the parser of their control documents (:func:`parse_job`).
 
 A job document is a JSON object with a ``loaders`` list; a flat document without one is the
-single-loader plan of :mod:`fsd.plan.document` and is parsed by it, unchanged. See docs/PLANS.md
+single-loader plan of :mod:`fsd.plan.document`, parsed by it and made a job of one loader over the
+mount root (:func:`from_single`): the mount knows one plan model. See docs/PLANS.md
 for the user documentation.
 
 Job keys: ``epochs`` int >= 1 (required), ``start_epoch`` (0), ``num_replicas`` world size (1),
@@ -152,14 +153,15 @@ class Loader:
 
 @dataclass(frozen=True)
 class JobPlan:
-    """A validated whole-job plan. ``legacy`` holds the single-loader :class:`Plan` it was made from."""
+    """A validated whole-job plan. ``flat``: written as a single-loader document (a job of one loader
+    over the mount root), which only the advice of a diagnosis needs to know."""
 
     epochs: int
     loaders: tuple[Loader, ...]
     start_epoch: int = 0
     num_replicas: int = 1
     ranks: tuple[int, ...] = (0,)
-    legacy: Plan | None = field(default=None, compare=False)
+    flat: bool = field(default=False, compare=False)
 
     @property
     def remaining_epochs(self) -> range:
@@ -179,9 +181,7 @@ class JobPlan:
         return max((ld.window for ld in self.loaders), default=1)
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan as a JSON object (a single-loader plan as its own flat document)."""
-        if self.legacy is not None:
-            return self.legacy.to_dict()
+        """The plan as a JSON job document (also one written as a single-loader document)."""
         return {"epochs": self.epochs, "start_epoch": self.start_epoch, "num_replicas": self.num_replicas,
                 "ranks": list(self.ranks), "loaders": [ld.to_dict() for ld in self.loaders]}
 
@@ -191,7 +191,7 @@ class JobPlan:
 
     def with_epochs(self, epochs: range) -> JobPlan:
         """The same job restricted to *epochs* (for building a few epochs of a long job)."""
-        return replace(self, start_epoch=epochs.start, epochs=epochs.stop, legacy=None)
+        return replace(self, start_epoch=epochs.start, epochs=epochs.stop)
 
 
 def from_single(plan: Plan) -> JobPlan:
@@ -203,7 +203,7 @@ def from_single(plan: Plan) -> JobPlan:
                 num_workers=plan.num_workers, prefetch_factor=plan.prefetch_factor)
     return JobPlan(epochs=plan.epochs, loaders=(ld,), start_epoch=plan.start_epoch,
                    num_replicas=plan.num_replicas if distributed else 1,
-                   ranks=plan.ranks if distributed else (0,), legacy=plan)
+                   ranks=plan.ranks if distributed else (0,), flat=True)
 
 
 def _unknown(key: str, valid: tuple[str, ...], where: str, also: tuple[str, ...] = ()) -> PlanError:

@@ -6,8 +6,9 @@ that run in ``e``, in the plan's order, each one an epoch of its ranks in lockst
 (:func:`fsd.plan.access_stream.interleave_epoch`). So the dataset cache predicts the validation
 reads that follow a training epoch like any other access.
 
-:func:`build_plan` is what the dataset mount calls with a control document: a single-loader
-document is listed and streamed by the single-plan builders, unchanged.
+:func:`build_plan` is what the dataset mount calls with a control document (a single-loader
+document is a job of one loader); :func:`build_node_stream` streams a single-loader plan over
+*n* files without a listing (tools and tests).
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from fsd.plan.access_stream import NodeStream, build_node_stream, id_dtype, interleave_epoch, rank_dtype
+from fsd.plan.access_stream import NodeStream, id_dtype, interleave_epoch, rank_dtype
 from fsd.plan.document import Plan, PlanError
-from fsd.plan.job import JobPlan, Loader, parse_job
+from fsd.plan.job import JobPlan, Loader, from_single, parse_job
 from fsd.plan.order import imagefolder_files, listed_files, open_dir_beneath, sorted_files
 from fsd.plan.sampler import RandomStream, distributed_epoch, distributed_sizes, load_indices
 
@@ -72,9 +73,19 @@ def root_lister(root_fd: int) -> Lister:
 class JobListing:
     """The node's files (file id -> mount-relative path) and each loader's sample -> file id map."""
 
-    paths: list[str]
-    ids: dict[str, np.ndarray]  # loader name -> file id of each sample of its whole dataset
+    paths: Sequence[str]
+    ids: dict[str, np.ndarray | None]  # loader name -> file id of each sample of its dataset (None: the same)
     warnings: list[str]
+
+    def samples(self, loader: str) -> int:
+        """The size of *loader*'s whole dataset."""
+        ids = self.ids[loader]
+        return len(self.paths) if ids is None else len(ids)
+
+    def file_ids(self, loader: str, idx: np.ndarray) -> np.ndarray:
+        """The file ids of *loader*'s samples *idx*."""
+        ids = self.ids[loader]
+        return idx if ids is None else ids[idx]
 
 
 def list_job(job: JobPlan, lister: Lister) -> JobListing:
@@ -83,7 +94,7 @@ def list_job(job: JobPlan, lister: Lister) -> JobListing:
     paths: list[str] = []
     index: dict[str, int] = {}
     by_key: dict[tuple[str, str, str | None], np.ndarray] = {}
-    ids: dict[str, np.ndarray] = {}
+    ids: dict[str, np.ndarray | None] = {}
     warnings: list[str] = []
     for ld in job.loaders:
         key = ld.listing_key
@@ -176,7 +187,7 @@ def load_job_indices(root_fd: int, job: JobPlan, listing: JobListing) -> dict[st
     out: dict[str, list[np.ndarray]] = {}
     for ld in job.loaders:
         if ld.sampler == "indices" and ld.indices_file is not None:
-            count = sample_space(job, ld, len(listing.ids[ld.name]))[1]
+            count = sample_space(job, ld, listing.samples(ld.name))[1]
             out[ld.name] = load_indices(root_fd, Plan(epochs=job.epochs, sampler="indices",
                                                       indices_file=ld.indices_file), count)
     return out
@@ -189,7 +200,7 @@ def job_stream(job: JobPlan, listing: JobListing, *, indices: Mapping[str, Seque
     indices = indices or {}
     epochs = job.remaining_epochs
     active = [ld for ld in job.loaders if ld.ranks]
-    n_of = {ld.name: len(listing.ids[ld.name]) for ld in active}
+    n_of = {ld.name: listing.samples(ld.name) for ld in active}
     per_epoch = [sum(len(ld.ranks) * _columns(job, ld, n_of[ld.name], e, indices.get(ld.name))
                      for ld in active if ld.runs_in(e)) for e in epochs]
     bounds = np.zeros(len(per_epoch) + 1, dtype=np.int64)
@@ -208,7 +219,7 @@ def job_stream(job: JobPlan, listing: JobListing, *, indices: Mapping[str, Seque
     for k, parts in enumerate(_map_epochs(one, epochs, job, randoms, max(n_of.values(), default=0), threads)):
         at = int(bounds[k])
         for ld, idx in parts:
-            f, r = interleave_epoch(listing.ids[ld.name][idx], np.asarray(sorted(ld.ranks)), ld.batch_size)
+            f, r = interleave_epoch(listing.file_ids(ld.name, idx), np.asarray(sorted(ld.ranks)), ld.batch_size)
             file_ids[at:at + len(f)] = f
             ranks[at:at + len(f)] = r
             at += len(f)
@@ -219,8 +230,48 @@ def job_stream(job: JobPlan, listing: JobListing, *, indices: Mapping[str, Seque
     return stream
 
 
+@dataclass(frozen=True)
+class WorldRead:
+    """What the whole job (every rank of the world, not only the node's) reads of one loader in one epoch."""
+
+    files: np.ndarray  # file ids, one row per rank of *ranks*, or one row that each of them reads
+    ranks: np.ndarray  # the ranks that read them
+    repeats: np.ndarray | None  # per entry of *files*: it repeats an earlier sample of the epoch (padding)
+
+
+def world_reads(job: JobPlan, listing: JobListing, indices: Mapping[str, Sequence[np.ndarray]] | None = None
+                ) -> Iterator[WorldRead]:
+    """Every rank's reads over the job's remaining epochs, loader by loader (what a cluster places by).
+
+    A ``distributed`` loader splits each epoch over the world's ranks; any other loader is read whole by
+    every rank of the job, so a node's plan must give it all the node's ranks or none (PlanError:
+    the other nodes' readers of a loader that only some ranks read are unknown)."""
+    indices = indices or {}
+    world = np.arange(job.num_replicas, dtype=np.int64)
+    for ld in job.loaders:
+        if ld.sampler != "distributed" and set(ld.ranks) != set(job.ranks):
+            raise PlanError(f"plan: loader '{ld.name}' is read by ranks {sorted(ld.ranks)} of this node's "
+                            f"{sorted(job.ranks)}: the ranks of other nodes that read it are unknown")
+    randoms = {ld.name: _random_stream(ld, sample_space(job, ld, listing.samples(ld.name))[1])
+               for ld in job.loaders if ld.sampler == "random" and ld.ranks}
+    for e in job.remaining_epochs:
+        for ld in job.loaders:
+            if not ld.runs_in(e) or not ld.ranks:
+                continue
+            n = listing.samples(ld.name)
+            if ld.sampler == "distributed":
+                idx = loader_epoch(job, replace(ld, ranks=tuple(range(job.num_replicas))), n, e)
+                count = sample_space(job, ld, n)[1]
+                pos = world[:, None] + np.arange(idx.shape[1], dtype=np.int64)[None, :] * job.num_replicas
+                yield WorldRead(listing.file_ids(ld.name, idx), world, pos >= count)
+            else:
+                idx = loader_epoch(job, replace(ld, ranks=(0,)), n, e, indices=indices.get(ld.name),
+                                   random=randoms.get(ld.name))
+                yield WorldRead(listing.file_ids(ld.name, idx), world, None)
+
+
 PARALLEL_PERM_BYTES = 256 << 20
-"""Budget for permutations drawn concurrently by :func:`job_stream` (as the single-plan builder)."""
+"""Budget for permutations drawn concurrently by :func:`job_stream`."""
 
 
 def _map_epochs(fn: Callable[[int], list[tuple[Loader, np.ndarray]]], epochs: range, job: JobPlan,
@@ -244,27 +295,47 @@ class Built:
     """What the dataset mount needs from a control document."""
 
     plan: JobPlan
-    paths: list[str]
+    listing: JobListing
+    indices: dict[str, list[np.ndarray]]  # the ``indices`` loaders' rows, by loader name
     stream: NodeStream
-    warnings: list[str]
+
+    @property
+    def paths(self) -> Sequence[str]:
+        """File id -> mount-relative path."""
+        return self.listing.paths
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the listing found doubtful (split folders taken as classes)."""
+        return self.listing.warnings
 
 
 def build_plan(root_fd: int, doc: bytes) -> Built:
-    """Parse a control document, list the dataset and build the node stream (raises PlanError to refuse).
-
-    A single-loader document goes through :func:`fsd.plan.order.list_files`'s listings and
-    :func:`build_node_stream`, as before job plans existed; its warnings are the split check."""
+    """Parse a control document, list the dataset and build the node stream (raises PlanError to refuse)."""
     job = parse_job(doc)
-    lister = root_lister(root_fd)
-    if job.legacy is not None:
-        plan = job.legacy
-        paths, warnings = lister("", plan.order, plan.list_file)
-        stream = build_node_stream(plan, len(paths), root_fd=root_fd)
-        return Built(job, paths, stream, warnings)
-    listing = list_job(job, lister)
-    stream = job_stream(job, listing, indices=load_job_indices(root_fd, job, listing))
-    return Built(job, listing.paths, stream, listing.warnings)
+    listing = list_job(job, root_lister(root_fd))
+    indices = load_job_indices(root_fd, job, listing)
+    return Built(job, listing, indices, job_stream(job, listing, indices=indices))
 
 
-__all__ = ["SPLIT_NAMES", "Built", "JobListing", "Lister", "build_plan", "job_stream", "list_job", "load_job_indices",
-           "loader_epoch", "root_lister", "sample_space", "split_warning"]
+def build_node_stream(plan: Plan, n_files: int, *, indices: Sequence[np.ndarray] | None = None,
+                      root_fd: int | None = None, threads: int | None = None) -> NodeStream:
+    """The stream of a single-loader *plan* over *n_files* files whose ids are the sample indices
+    (the ``indices`` sampler: its rows in *indices*, else loaded through *root_fd*)."""
+    job = from_single(plan)
+    listing = JobListing(range(n_files), {job.loaders[0].name: None}, [])
+    rows: dict[str, list[np.ndarray]] = {}
+    if plan.sampler == "indices":
+        if indices is None and root_fd is not None:
+            indices = load_indices(root_fd, plan, n_files)
+        if indices is None:
+            raise PlanError("plan: sampler \"indices\" needs the indices file loaded (load_indices)")
+        if len(indices) < plan.epochs:
+            raise PlanError(f"plan: indices file has {len(indices)} epoch rows, the plan needs {plan.epochs}")
+        rows[job.loaders[0].name] = list(indices)
+    return job_stream(job, listing, indices=rows, threads=threads)
+
+
+__all__ = ["SPLIT_NAMES", "Built", "JobListing", "Lister", "WorldRead", "build_node_stream", "build_plan",
+           "job_stream", "list_job", "load_job_indices", "loader_epoch", "root_lister", "sample_space",
+           "split_warning", "world_reads"]

@@ -161,16 +161,43 @@ def test_plans_that_differ_are_not_shared(tmp_path: Path, mounter) -> None:
     assert s1["peers"][0]["state"] == "plan differs"
     assert s0["peers"][0]["state"] == "plan differs"
     assert s1["peers"][0]["fallbacks"] > 0 and s0["peers"][0]["fallbacks"] > 0
-    # a plan the cluster cannot share at all: node 1 says why and reads the PFS alone
+    # a plan the cluster cannot share at all (a world of one rank over two nodes): node 1 says why and
+    # reads the PFS alone
     c.mounts[1].control({"seed": 1, "epochs": 1, "sampler": "random"})
     assert wait_for(lambda: not c.status(1)["sharing"])
-    assert "distributed" in c.status(1)["not_sharing_because"]
+    assert "num_replicas 1" in c.status(1)["not_sharing_because"]
     assert "not shared" in (c.mnts[1] / ".fsd" / "error").read_text()
     c.read_exact(1, sorted(c.expect))
+    # a loader that only some of the node's ranks read: who reads it on the other node is unknown
+    c.mounts[1].control(_job(1, [{"sampler": "sequential", "ranks": []}]))
+    assert wait_for(lambda: "ranks of other nodes" in (c.status(1)["not_sharing_because"] or ""))
     # ranks the cluster layout puts on the other node
     c.mounts[1].control(c.plan(0))
     assert wait_for(lambda: "ranks" in (c.status(1)["not_sharing_because"] or ""))
     c.read_exact(1, sorted(c.expect))
+
+
+def _job(i: int, more: list[dict]) -> dict:
+    """A whole-job plan of node *i*: the distributed training loader, then *more* loaders."""
+    return {"epochs": EPOCHS, "num_replicas": 2, "ranks": [i], "loaders": [
+        {"name": "train", "sampler": "distributed", "seed": SEED, "batch_size": 4}, *more]}
+
+
+def test_whole_job_plans_are_shared(tmp_path: Path, mounter) -> None:
+    """Training and a validation pass every other epoch (every rank reads it whole): one owner map for both."""
+    c = Cluster(tmp_path, mounter)
+    val = [{"name": "val", "sampler": "sequential", "every": 2, "batch_size": 8}]
+    c.mounts[0].control(_job(0, val))
+    assert wait_for(lambda: c.status(0)["sharing"])
+    c.mounts[1].control(_job(1, val))
+    assert wait_for(lambda: c.status(1)["sharing"])
+    assert c.status(0)["fingerprint"] == c.status(1)["fingerprint"]
+    c.read_exact(1, c.order(1, 0))
+    c.read_exact(0, c.order(0, 0))
+    c.read_exact(1, [p.relative_to(c.src) for p in c.files])  # a validation pass: every file, in order
+    s1 = c.status(1)
+    assert s1["bytes"]["peers"] > 0 and s1["source"]["peer_files"] > 0
+    assert s1["peers"][0]["state"] == "up"
 
 
 @pytest.mark.parametrize("body,needle", [

@@ -22,7 +22,6 @@ from fsd.plan.access_stream import (
     BEACON_LEVEL_MAX,
     NodeStream,
     beacon_levels,
-    build_node_stream,
     future_counts,
     id_dtype,
     interleave_epoch,
@@ -30,6 +29,7 @@ from fsd.plan.access_stream import (
 )
 from fsd.plan.belady import NEVER, next_use
 from fsd.plan.document import Plan, PlanError, parse_plan
+from fsd.plan.job_stream import build_node_stream
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -13,12 +14,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsd.cluster.compat import Plan
-from fsd.cluster.config import ClusterConfigError, resolve_node_ranks
-from fsd.cluster.ownership import ClusterPlan, compute_ownership, node_read_counts, plan_fingerprint
+from fsd.cluster.config import resolve_node_ranks
+from fsd.cluster.ownership import ClusterPlan, compute_ownership, plan_fingerprint
+from fsd.cluster.ownership import node_read_counts as _node_read_counts
+from fsd.plan.document import Plan, PlanError
+from fsd.plan.job import from_single, parse_job
+from fsd.plan.job_stream import JobListing, job_stream
 from fsd.plan.sampler import distributed_epoch
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _listing(names: object) -> JobListing:
+    """A single-loader plan's listing: file id = sample index."""
+    return JobListing(names, {"data": None}, [])  # type: ignore[arg-type]
+
+
+def node_read_counts(plan: Plan, n: int, layout: tuple) -> np.ndarray:
+    return _node_read_counts(from_single(plan), _listing(range(n)), layout)
+
+
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -48,7 +63,7 @@ def _node_view(job: dict, node: int) -> ClusterPlan:
     if node % 2:  # a dict built in another order
         by_node = dict(reversed(list(by_node.items())))
     caps = tuple(by_node[k] for k in range(job["nodes"]))
-    return ClusterPlan(plan, layout, names, np.array(job["sizes"], dtype=dtype), caps)
+    return ClusterPlan(from_single(plan), _listing(names), layout, np.array(job["sizes"], dtype=dtype), caps)
 
 
 @SETTINGS
@@ -69,13 +84,16 @@ def test_every_node_computes_the_same_owner_map(job: dict) -> None:
 def _ownership_digest(seed: int) -> str:
     code = f"""
 import hashlib, numpy as np
-from fsd.cluster.compat import Plan
 from fsd.cluster.config import resolve_node_ranks
 from fsd.cluster.ownership import ClusterPlan
+from fsd.plan.document import Plan
+from fsd.plan.job import from_single
+from fsd.plan.job_stream import JobListing
 layout = resolve_node_ranks(12, 4)
 plan = Plan(epochs=3, sampler="distributed", seed={seed}, num_replicas=12, ranks=layout[1])
 sizes = np.random.default_rng(5).integers(1000, 9000, 3000)
-cp = ClusterPlan(plan, layout, tuple(f"f{{i}}" for i in range(3000)), sizes, (4_000_000,) * 4)
+cp = ClusterPlan(from_single(plan), JobListing(tuple(f"f{{i}}" for i in range(3000)), {{"data": None}}, []), layout,
+                 sizes, (4_000_000,) * 4)
 o = cp.ownership()
 print(hashlib.sha256(o.owner.tobytes() + o.cached.tobytes()).hexdigest(), cp.fingerprint())
 """
@@ -109,9 +127,40 @@ def test_counts_match_the_sampler() -> None:
     assert counts.sum() == 3 * 25
 
 
-def test_counts_need_a_distributed_plan() -> None:
-    with pytest.raises(ClusterConfigError, match="distributed"):
-        node_read_counts(Plan(epochs=1, sampler="sequential"), 10, ((0,),))
+def test_a_loader_every_rank_reads_counts_on_every_node() -> None:
+    counts = node_read_counts(Plan(epochs=2, sampler="sequential"), 10, ((0,),))
+    assert counts.tolist() == [[2] * 10]
+    job = parse_job(json.dumps({"epochs": 1, "num_replicas": 4, "ranks": [0, 1], "loaders": [
+        {"sampler": "sequential", "ranks": [0]}]}).encode())
+    with pytest.raises(PlanError, match="ranks of other nodes"):
+        _node_read_counts(job, _listing(range(5)), ((0, 1), (2, 3)))
+
+
+def test_a_whole_job_plan_counts_what_each_nodes_own_stream_reads(tmp_path: Path) -> None:
+    """Train, validation every other epoch and the leftover loader: each node's row of the global counts
+    is what that node's own plan (its own ranks) streams."""
+    layout = resolve_node_ranks(6, 3)
+    n_train, n_val = 50, 13
+
+    def job(node: int) -> dict:
+        ranks = list(layout[node])
+        return {"epochs": 4, "start_epoch": 1, "num_replicas": 6, "ranks": ranks, "loaders": [
+            {"name": "train", "root": "train", "sampler": "distributed", "seed": 5, "batch_size": 4},
+            {"name": "val", "root": "val", "sampler": "distributed", "shuffle": False, "drop_last": True,
+             "every": 2, "batch_size": 2},
+            {"name": "rest", "leftover_of": "val", "ranks": ranks}]}
+
+    def listing() -> JobListing:
+        paths = [f"train/{i}" for i in range(n_train)] + [f"val/{i}" for i in range(n_val)]
+        ids = {"train": np.arange(n_train), "val": np.arange(n_train, n_train + n_val),
+               "rest": np.arange(n_train, n_train + n_val)}
+        return JobListing(paths, ids, [])  # type: ignore[arg-type]
+
+    counts = _node_read_counts(parse_job(json.dumps(job(0)).encode()), listing(), layout)
+    for node in range(3):
+        own = job_stream(parse_job(json.dumps(job(node)).encode()), listing())
+        assert np.array_equal(counts[node], np.bincount(own.file_ids, minlength=n_train + n_val)), node
+    assert counts[:, n_train:].sum() > 0 and counts[:, :n_train].sum() == 3 * 54  # 50 padded to 54 a epoch
 
 
 @SETTINGS
@@ -195,20 +244,21 @@ def test_fingerprint_covers_what_the_map_depends_on() -> None:
     layout = resolve_node_ranks(4, 2)
     plan = Plan(epochs=3, sampler="distributed", seed=1, num_replicas=4, ranks=layout[0])
     names, sizes, caps = ["a", "b", "c"], np.array([1, 2, 3]), [10, 10]
-    base = plan_fingerprint(plan, layout, names, sizes, caps)
+    base = plan_fingerprint(from_single(plan), layout, names, sizes, caps)
     assert len(base) == 64
     same = Plan(epochs=3, sampler="distributed", seed=1, num_replicas=4, ranks=layout[1], batch_size=64)
-    assert plan_fingerprint(same, layout, tuple(names), sizes.astype(np.int32), tuple(caps)) == base
+    assert plan_fingerprint(from_single(same), layout, tuple(names), sizes.astype(np.int32), tuple(caps)) == base
     others = [
-        plan_fingerprint(Plan(epochs=3, sampler="distributed", seed=2, num_replicas=4, ranks=(0,)), layout,
-                         names, sizes, caps),
-        plan_fingerprint(Plan(epochs=4, sampler="distributed", seed=1, num_replicas=4, ranks=(0,)), layout,
-                         names, sizes, caps),
-        plan_fingerprint(plan, ((0, 2), (1, 3)), names, sizes, caps),
-        plan_fingerprint(plan, layout, ["a", "c", "b"], sizes, caps),
-        plan_fingerprint(plan, layout, ["ab", "", "c"], sizes, caps),
-        plan_fingerprint(plan, layout, names, np.array([1, 2, 4]), caps),
-        plan_fingerprint(plan, layout, names, sizes, [10, 11]),
+        plan_fingerprint(from_single(Plan(epochs=3, sampler="distributed", seed=2, num_replicas=4, ranks=(0,))),
+                         layout, names, sizes, caps),
+        plan_fingerprint(from_single(Plan(epochs=4, sampler="distributed", seed=1, num_replicas=4, ranks=(0,))),
+                         layout, names, sizes, caps),
+        plan_fingerprint(from_single(plan), ((0, 2), (1, 3)), names, sizes, caps),
+        plan_fingerprint(from_single(plan), layout, ["a", "c", "b"], sizes, caps),
+        plan_fingerprint(from_single(plan), layout, ["ab", "", "c"], sizes, caps),
+        plan_fingerprint(from_single(plan), layout, names, np.array([1, 2, 4]), caps),
+        plan_fingerprint(from_single(plan), layout, names, sizes, [10, 11]),
+        plan_fingerprint(from_single(plan), layout, names, sizes, caps, {"data": [np.array([0, 1])]}),
     ]
     assert base not in others and len(set(others)) == len(others)
     assert hashlib.sha256(base.encode()).hexdigest()  # plain text, comparable across nodes

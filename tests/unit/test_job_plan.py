@@ -46,7 +46,7 @@ def test_imagenet_job_and_its_defaults() -> None:
     assert j.window == 4 * 32 * 8 * 2
     assert list(j.remaining_epochs) == list(range(90))
     assert j.loader("val") is val
-    assert j.legacy is None
+    assert not j.flat
 
 
 def test_round_trip_through_to_dict() -> None:
@@ -74,12 +74,12 @@ def test_names_roots_and_epochs() -> None:
     assert [c.runs_before(e) for e in range(8)] == [0, 0, 1, 1, 1, 2, 2, 2]
 
 
-def test_single_loader_documents_stay_single_plans() -> None:
+def test_single_loader_documents_are_jobs_of_one_loader() -> None:
     doc = {"seed": 7, "epochs": 3, "sampler": "distributed", "num_replicas": 4, "ranks": [1, 3], "batch_size": 2}
     j = parse_job(json.dumps(doc).encode())
     plan = parse_plan(json.dumps(doc).encode())
-    assert j.legacy == plan and j == from_single(plan)
-    assert j.to_dict() == plan.to_dict()
+    assert j.flat and j == from_single(plan)
+    assert parse_job(j.to_json().encode()) == j and "loaders" in j.to_dict()  # its canonical form is a job's
     (ld,) = j.loaders
     assert (ld.root, ld.ranks, j.num_replicas, j.ranks, ld.seed) == ("", (1, 3), 4, (1, 3), 7)
     seq = from_single(Plan(epochs=2, sampler="random", seed=3))

@@ -15,7 +15,7 @@ from imagefolder import ImageFolder
 from jobhelp import Indexed, collect, job_doc, make_split, paths_of, real_job_reads
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Subset
 
-from fsd.plan.access_stream import build_node_stream
+from fsd.plan.job_stream import build_node_stream
 from fsd.plan.document import PlanError, parse_plan
 from fsd.plan.job import parse_job
 from fsd.plan.job_stream import build_plan, job_stream, list_job, loader_epoch, root_lister
@@ -179,7 +179,8 @@ def test_drop_last_batch_and_subset(data: Path) -> None:
     {"epochs": 2, "sampler": "sequential"},
 ])
 def test_single_plan_documents_build_as_before_and_as_a_one_loader_job(data: Path, doc: dict) -> None:
-    """The single-plan path is unchanged; the same plan as a job of one loader gives the same stream."""
+    """A single-loader document is built as a job of one loader: its stream is the single plan's, drawn
+    from the plan (build_node_stream) or from the listing (build_plan)."""
     train = data / "train"
     fd = os.open(train, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -191,7 +192,7 @@ def test_single_plan_documents_build_as_before_and_as_a_one_loader_job(data: Pat
         assert built.paths == list_files(fd, plan)
         old = build_node_stream(plan, len(built.paths))
         job = parse_job(raw)
-        assert job.legacy == plan and built.plan.to_dict() == plan.to_dict()
+        assert built.plan == job and job.flat
         new = job_stream(job, list_job(job, root_lister(fd)))
     finally:
         os.close(fd)

@@ -21,7 +21,8 @@ import pytest
 
 from fsd.data.backend import Backend
 from fsd.data.cache import DatasetCache
-from fsd.plan.access_stream import NodeStream, build_node_stream
+from fsd.plan.access_stream import NodeStream
+from fsd.plan.job_stream import build_node_stream
 from fsd.plan.document import parse_plan
 
 pytestmark = pytest.mark.timeout(120)
