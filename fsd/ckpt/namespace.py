@@ -20,17 +20,13 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-import trio
-
-from fsd.ckpt import pending
-from fsd.ckpt.backing import BackingReader, scan
-from fsd.ckpt.drain import DrainJob, Drainer, apply_change
+from fsd.ckpt.drain import DrainJob, Drainer
 from fsd.ckpt.drain_feed import DrainFeed
 from fsd.ckpt.file_state import FileState
 from fsd.ckpt.manifest import ROOT_ID, STATE_COMPLETE, STATE_WRITING, Manifest, MetaStore
 from fsd.ckpt.node import RELATIME_NS, Node, check_name, setid_to_clear
 from fsd.ckpt.node import error as _error
-from fsd.ckpt.recovery import recover
+from fsd.ckpt.recovery import Recovered
 from fsd.ckpt.space import SpaceManager
 from fsd.ckpt.striping import Layout
 from fsd.ckpt.tasks import Tasks, together
@@ -42,24 +38,19 @@ log = logging.getLogger(__name__)
 
 
 class Namespace:
-    """Files and directories striped over *device_roots*, recovered from their manifests."""
+    """Files and directories striped over the devices, recovered from their manifests (*rec*).
 
-    def __init__(self, device_roots: list[Path], *, stripe_size: int, dirty_limit: int,
-                 threads_per_device: int, chunk_size: int, backing_fd: int | None = None, drain: bool = False,
-                 drain_fd: int | None = None, keep_on_devices: int = 2) -> None:
-        if drain_fd is not None:
-            backing_fd, drain = drain_fd, True
+    Built, started and stopped by :mod:`fsd.ckpt.root`, which also gives it the parts over the
+    backing directory (``drainer``, ``feed``, ``union``, ``space``; None without one)."""
+
+    def __init__(self, device_roots: list[Path], rec: Recovered, wb: WriteBack, meta: MetaStore, *,
+                 stripe_size: int) -> None:
         self.device_roots = list(device_roots)
         self.stripe_size = stripe_size
-        rec = recover(self.device_roots)
         self.recovery_report = rec.report
         self.device_ids = rec.device_ids
-        self.wb = WriteBack(self.device_roots, dirty_limit=dirty_limit, chunk_size=chunk_size,
-                            threads_per_device=threads_per_device)
-        # the records of changes an earlier mount left keep their places in the sequence
-        left = pending.load(self.device_roots)
-        self.meta = MetaStore(self.device_roots, max([rec.next_seq, *(c.seq + 1 for c in left[0])]))
-        self.meta.on_error = self.wb.manifest_error
+        self.wb = wb
+        self.meta = meta
         self.next_id = rec.next_id
         self._uid_index = {u: i for i, u in enumerate(self.device_ids)}
         self.failed: dict[str, str] = {}
@@ -73,25 +64,14 @@ class Namespace:
         self.drainer: Drainer | None = None
         self.feed: DrainFeed | None = None
         self.union: UnionView | None = None
+        self.space: SpaceManager | None = None
         self.wait_drain = True  # unmount waits for the drain (``fsd unmount --no-wait-drain``: not)
         self.stop_problems: list[str] = []  # what the stop could not do (see unmount_report)
         self.failed_at_start = set(self.failed)
-        self.replayed: dict[str, object] | None = None
-        if backing_fd is not None:
-            self.replayed = pending.replay(self.device_roots, left, rec.nodes, lambda c: apply_change(
-                DrainJob(c.node, 0, c.rel, op=c.op, dst=c.dst), backing_fd))
-            self.drainer = Drainer(self.device_roots, backing_fd, lambda job: False)
-            self.feed = DrainFeed(self.tree, self.drainer, self.meta, copies=drain, devices_id=self.device_ids[0])
-            self.union = UnionView(self.tree, self.wb, BackingReader(backing_fd), stripe_size=stripe_size,
-                                   devices=len(self.device_roots), new_id=self._new_id, publish=self._publish,
-                                   lock=self.meta.lock)
-            self.union.merge(scan(backing_fd))
-            self.union.reader.moved = self.drainer.settled
-            self.union.reader.path_of = lambda nid: n.backing_rel if (n := self.nodes.get(nid)) else None
-        self.space = SpaceManager(self.tree, self.wb, self.meta, self.feed, keep=keep_on_devices) if (
-            self.feed is not None and drain) else None
+        self.replayed: dict[str, object] | None = None  # the pending changes of an earlier mount applied
 
-    def _new_id(self) -> int:
+    def new_id(self) -> int:
+        """A node id never used on these devices."""
         nid = self.next_id
         self.next_id += 1
         return nid
@@ -107,33 +87,7 @@ class Namespace:
         node.data_seq = m.data_seq
         node.fs = self.wb.add_file(FileState(m.id, layout, size=m.size, label=m.name, on_device=True))
 
-    # -- lifecycle --------------------------------------------------------------
-    async def start(self, nursery: trio.Nursery) -> None:
-        """Start the flusher threads and the drain task (which gets every published file)."""
-        self.tasks.nursery = nursery
-        self.wb.start(nursery)
-        self.start_drain(nursery)
-        if self.space is not None:
-            nursery.start_soon(self.space.run)
-
-    def start_drain(self, nursery: trio.Nursery) -> None:
-        """Start the backing directory's reader and the drain task (which gets every published file)."""
-        if self.drainer is not None and self.feed is not None and self.union is not None:
-            self.union.reader.nursery = nursery
-            nursery.start_soon(self.drainer.run)
-            self.feed.submit_tree()
-
-    async def stop(self) -> None:
-        """Make every file durable and published, finish the drain, then stop the threads."""
-        await self.settle()
-        await self.stop_drain()
-        self.stop_problems += await self.wb.stop()
-
-    async def stop_drain(self) -> None:
-        """Finish the drain queue (or leave it to the next mount: ``wait_drain`` false)."""
-        if self.drainer is not None:
-            await self.drainer.stop(wait=self.wait_drain)
-
+    # -- unmount ------------------------------------------------------------------
     async def settle(self) -> None:
         """Make every file durable and published, its metadata too (the first step of unmount)."""
         for node in list(self.nodes.values()):
@@ -164,7 +118,7 @@ class Namespace:
             if name in parent.children:
                 raise _error(errno.EEXIST)
             node = self._new_node(parent, name, "dir", mode, uid, gid)
-            await self._publish(node, STATE_COMPLETE)
+            await self.publish(node, STATE_COMPLETE)
             node.published = True
             self.tree.attach(parent, node)
             if self.feed is not None:
@@ -240,7 +194,7 @@ class Namespace:
             version = node.version
             try:
                 job = await self._record_change("rename", node, old_path, new_path, alongside=None if node.backing
-                                                else self._publish(node, STATE_COMPLETE if complete else STATE_WRITING))
+                                                else self.publish(node, STATE_COMPLETE if complete else STATE_WRITING))
             except BaseException:
                 node.parent, node.name, node.ctime_ns = old_parent, old_name, old_ctime
                 raise
@@ -280,7 +234,7 @@ class Namespace:
             node.modified = True
             self.tree.attach(parent, node)
             try:
-                await self._publish(node, STATE_WRITING, durable=False)
+                await self.publish(node, STATE_WRITING, durable=False)
             except OSError:
                 self.tree.detach(node)
                 self.nodes.pop(node.id, None)
@@ -343,7 +297,7 @@ class Namespace:
         root has no manifest: its mode, owner and times last as long as the mount."""
         async with self.meta.lock:
             if node.linked and node.meta_dirty and node.id != ROOT_ID and (node.kind == "dir" or node.published):
-                await self._publish(node, STATE_COMPLETE)
+                await self.publish(node, STATE_COMPLETE)
 
     # -- file contents -------------------------------------------------------------------
     def check_openable(self, node: Node) -> None:
@@ -480,7 +434,7 @@ class Namespace:
             m.devices = list(self.device_ids)
         return m
 
-    async def _publish(self, node: Node, state: str, *, durable: bool = True) -> None:
+    async def publish(self, node: Node, state: str, *, durable: bool = True) -> None:
         """Write *node*'s manifest on every device (callers hold ``meta.lock``)."""
         meta_version = node.meta_version
         complete = state == STATE_COMPLETE
@@ -497,8 +451,7 @@ class Namespace:
             node.meta_durable = max(node.meta_durable, meta_version)
 
     def _new_node(self, parent: Node, name: bytes, kind: str, mode: int, uid: int, gid: int) -> Node:
-        nid = self.next_id
-        self.next_id += 1
+        nid = self.new_id()
         now = time.time_ns()
         node = Node(nid, kind, parent.id, name, stat.S_IMODE(mode), uid, gid, now, now, now)
         if kind == "dir":
@@ -540,7 +493,7 @@ class Namespace:
             async with self.meta.lock:
                 if node.published:
                     if node.linked:
-                        await self._publish(node, STATE_WRITING)
+                        await self.publish(node, STATE_WRITING)
                     node.published = False
 
     def _clean(self, node: Node) -> bool:
@@ -567,7 +520,7 @@ class Namespace:
                     return
                 if self._clean(node) and node.version == version:
                     if not node.published or node.meta_dirty:
-                        await self._publish(node, STATE_COMPLETE)
+                        await self.publish(node, STATE_COMPLETE)
                         node.published = True  # a change begun meanwhile marks it writing next
                     node.modified = node.version != version
                     return

@@ -100,20 +100,13 @@ class CheckpointOperations(pyfuse3.Operations):
     enable_writeback_cache = os.environ.get("FSD_CKPT_WRITEBACK_CACHE", "0") == "1"
     fuse_options_default = ("fsname=fsd-ckpt", "subtype=fsd", "default_permissions")
 
-    def __init__(self, backing_fd: int, devices: list[Path], *, stripe_size: int = 8 << 20,
-                 dirty_limit: int = 1 << 30, drain: bool = False, control: Any = None,
-                 threads_per_device: int = 2, chunk_size: int = 1 << 20, keep_on_devices: int = 2) -> None:
+    def __init__(self, ns: Namespace, backing_fd: int, *, control: Any = None) -> None:
         super().__init__()
-        if stripe_size % chunk_size and chunk_size % stripe_size:
-            raise ValueError("stripe size and chunk size must divide one another")
+        self.ns = ns  # over the backing directory: shown under fsd's own files (the union view), drained to
         self.backing_fd = backing_fd
         self.control = control
         self.fuse_options = list(self.fuse_options_default)
         self.direct_writes = os.environ.get("FSD_CKPT_DIRECT_WRITES", "1") == "1"
-        # the backing directory is shown under fsd's own files (the union view) and drained to
-        self.ns = Namespace([Path(d) for d in devices], stripe_size=stripe_size, dirty_limit=dirty_limit,
-                            threads_per_device=threads_per_device, chunk_size=min(chunk_size, stripe_size),
-                            backing_fd=backing_fd, drain=drain, keep_on_devices=keep_on_devices)
         self.next_fh = FIRST_FH
         self.handles: dict[int, _Handle] = {}
         self.readahead_kb: int | None = None

@@ -19,6 +19,7 @@ from conftest import device_dirs
 from fsd.ckpt import manifest as mf
 from fsd.ckpt.manifest import ROOT_ID
 from fsd.ckpt.namespace import Namespace, Node
+from fsd.ckpt.root import build_namespace, start_namespace
 from fsd.ckpt.reports import namespace_status
 
 KiB = 1 << 10
@@ -29,14 +30,14 @@ def _run(devices: list[Path], body: Callable[[Namespace], Awaitable[Any]]) -> tu
     """Run *body* on a started namespace over *devices*, then stop it (as an unmount does)."""
 
     async def main() -> tuple[Any, Namespace]:
-        ns = Namespace(devices, stripe_size=64 * KiB, dirty_limit=4 << 20, threads_per_device=1,
+        ns = build_namespace(devices, stripe_size=64 * KiB, dirty_limit=4 << 20, threads_per_device=1,
                        chunk_size=64 * KiB)
         async with trio.open_nursery() as nursery:
-            await ns.start(nursery)
+            stop = await start_namespace(ns, nursery)
             try:
                 out = await body(ns)
             finally:
-                await ns.stop()
+                await stop.aclose()
             nursery.cancel_scope.cancel()
         return out, ns
 
@@ -215,9 +216,9 @@ def test_a_write_during_a_closes_publish_is_marked_and_its_fsync_publishes_it(tm
     first, more = os.urandom(100_000), os.urandom(50_000)
 
     async def main() -> None:
-        ns = Namespace(devs, stripe_size=64 * KiB, dirty_limit=4 << 20, threads_per_device=1, chunk_size=64 * KiB)
+        ns = build_namespace(devs, stripe_size=64 * KiB, dirty_limit=4 << 20, threads_per_device=1, chunk_size=64 * KiB)
         async with trio.open_nursery() as nursery:
-            await ns.start(nursery)
+            await start_namespace(ns, nursery)
             entered, gate = _gate_complete_publishes(ns, "f")
             node = await _write_file(ns, ns.nodes[ROOT_ID], b"f", first, fsync=False)  # the close publishes
             await entered.wait()
@@ -249,12 +250,12 @@ def test_fsync_of_a_file_of_the_backing_directory_leaves_it_there(tmp_path: Path
 
     def run(body: Callable[[Namespace], Awaitable[Any]]) -> Any:
         async def main() -> Any:
-            ns = Namespace(devs, stripe_size=64 * KiB, dirty_limit=4 << 20, threads_per_device=1,
+            ns = build_namespace(devs, stripe_size=64 * KiB, dirty_limit=4 << 20, threads_per_device=1,
                            chunk_size=64 * KiB, backing_fd=bfd)
             async with trio.open_nursery() as nursery:
-                await ns.start(nursery)
+                stop = await start_namespace(ns, nursery)
                 out = await body(ns)
-                await ns.stop()
+                await stop.aclose()
                 nursery.cancel_scope.cancel()
             return out
 
@@ -285,10 +286,10 @@ def test_a_change_begun_while_a_close_publishes_is_drained_at_its_own_size(tmp_p
     bfd = os.open(back, os.O_RDONLY | os.O_DIRECTORY)
 
     async def main() -> None:
-        ns = Namespace(devs, stripe_size=64 * KiB, dirty_limit=4 << 20, threads_per_device=1,
+        ns = build_namespace(devs, stripe_size=64 * KiB, dirty_limit=4 << 20, threads_per_device=1,
                        chunk_size=64 * KiB, backing_fd=bfd, drain=True)
         async with trio.open_nursery() as nursery:
-            await ns.start(nursery)
+            stop = await start_namespace(ns, nursery)
             assert ns.drainer is not None
             entered, gate = _gate_complete_publishes(ns, "f")
             await ns.drainer.limiter.acquire()  # the drain runs only once both finishes are done
@@ -301,7 +302,7 @@ def test_a_change_begun_while_a_close_publishes_is_drained_at_its_own_size(tmp_p
             await ns.wait_finished()
             ns.drainer.limiter.release()
             await ns.drainer.wait_idle()
-            await ns.stop()
+            await stop.aclose()
             nursery.cancel_scope.cancel()
 
     try:

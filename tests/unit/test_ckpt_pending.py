@@ -13,12 +13,13 @@ from conftest import device_dirs
 from fsd.ckpt import pending
 from fsd.ckpt.manifest import ROOT_ID, Manifest
 from fsd.ckpt.namespace import Namespace
+from fsd.ckpt.root import build_namespace, start_namespace
 
 KiB = 1 << 10
 
 
 def _namespace(devices: list[Path], backing_fd: int) -> Namespace:
-    return Namespace(devices, stripe_size=64 * KiB, dirty_limit=4 << 20, threads_per_device=1,
+    return build_namespace(devices, stripe_size=64 * KiB, dirty_limit=4 << 20, threads_per_device=1,
                      chunk_size=64 * KiB, backing_fd=backing_fd, drain=False)
 
 
@@ -76,14 +77,14 @@ def test_a_drained_change_forgets_its_record(tmp_path: Path) -> None:
         async def main() -> None:
             ns = _namespace(devices, bfd)
             async with trio.open_nursery() as nursery:
-                await ns.start(nursery)
+                stop = await start_namespace(ns, nursery)
                 await ns.unlink(ns.nodes[ROOT_ID], b"old.pt")
                 assert len(pending.load(devices)[0]) == 1  # durable before unlink returned
                 assert ns.drainer is not None
                 await ns.drainer.wait_idle()
                 assert pending.load(devices) == ([], [])
                 assert not (back / "old.pt").exists()
-                await ns.stop()
+                await stop.aclose()
                 nursery.cancel_scope.cancel()
 
         trio.run(main)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import device_dirs
 from fsd.ckpt.namespace import Namespace, setid_to_clear
+from fsd.ckpt.root import build_namespace, start_namespace
 from fsd.ckpt.manifest import ROOT_ID, Manifest
 from fsd.ckpt.striping import Layout
 from fsd.ckpt.writeback import MAX_LFS_FILESIZE, max_file_size
@@ -63,9 +64,9 @@ def test_chmod_chown_utime_of_closed_files_and_dirs_are_published_in_the_backgro
     devs = device_dirs(tmp_path, 2)
 
     async def main() -> None:
-        ns = Namespace(devs, stripe_size=64 * KiB, dirty_limit=1 << 20, threads_per_device=1, chunk_size=64 * KiB)
+        ns = build_namespace(devs, stripe_size=64 * KiB, dirty_limit=1 << 20, threads_per_device=1, chunk_size=64 * KiB)
         async with trio.open_nursery() as nursery:
-            await ns.start(nursery)
+            await start_namespace(ns, nursery)
             root = ns.nodes[ROOT_ID]
             f = await ns.create(root, b"f", 0o644, 0, 0)
             ns.opened(f, writable=True)
@@ -82,7 +83,7 @@ def test_chmod_chown_utime_of_closed_files_and_dirs_are_published_in_the_backgro
             assert ns.meta.publishes - publishes == 2
             nursery.cancel_scope.cancel()  # a crash: no stop(), nothing else published
         # a new namespace over the same devices is a remount after SIGKILL
-        again = Namespace(devs, stripe_size=64 * KiB, dirty_limit=1 << 20, threads_per_device=1,
+        again = build_namespace(devs, stripe_size=64 * KiB, dirty_limit=1 << 20, threads_per_device=1,
                           chunk_size=64 * KiB)
         f2, d2 = again.child(again.nodes[ROOT_ID], b"f"), again.child(again.nodes[ROOT_ID], b"d")
         assert (f2.mode, f2.uid, f2.gid, f2.atime_ns, f2.mtime_ns) == (0o4750, 9, 6, 7, 8)
