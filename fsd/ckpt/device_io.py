@@ -84,10 +84,11 @@ fsync (a few kB each) must find room when data fills the device, or they fail wi
 while the flush that filled it would have waited for eviction or the drain."""
 
 
-def _check_room(fd: int, nbytes: int) -> None:
-    """ENOSPC unless the device of *fd* keeps ``META_RESERVE`` free after *nbytes* more."""
+def _check_room(fd: int, nbytes: int, claimed: int = 0) -> None:
+    """ENOSPC unless the device of *fd* keeps ``META_RESERVE`` free after *nbytes* more and the
+    *claimed* bytes of the writes in flight beside it."""
     st = os.fstatvfs(fd)
-    if st.f_bavail * st.f_frsize < nbytes + META_RESERVE:
+    if st.f_bavail * st.f_frsize < nbytes + claimed + META_RESERVE:
         raise OSError(errno.ENOSPC, "device full (its last MiB is kept for manifests)")
 
 
@@ -197,7 +198,8 @@ class DeviceIO:
         self.threads = threads
         self.writers = FdCache(self._open_write)  # O_DIRECT (where supported), created on demand
         self.readers = FdCache(self._open_read)  # buffered
-        self._lock = threading.Lock()  # the busy-time counters
+        self._lock = threading.Lock()  # the busy-time counters and the room claimed
+        self._claimed = 0  # bytes of the writes in flight, which the device's free space does not show yet
         self.direct = True
         self.bytes_written = 0
         self.busy_s = 0.0  # wall time with at least one write in flight
@@ -309,9 +311,8 @@ class DeviceIO:
                     self._busy_since = time.perf_counter()
                 self._active += 1
             try:
-                with self.writers.use(job.file_id) as fd:
+                with self.writers.use(job.file_id) as fd, self._room(fd, job.nbytes):
                     assert fd is not None
-                    _check_room(fd, job.nbytes)
                     _pwritev_all(fd, job.views, job.local_off)
                     job.blocks = os.fstat(fd).st_blocks
             except OSError as e:
@@ -329,6 +330,20 @@ class DeviceIO:
                 self.bytes_written += job.nbytes
                 self.writes += 1
             done(job, err)
+
+    @contextmanager
+    def _room(self, fd: int | None, nbytes: int) -> Iterator[None]:
+        """Claim *nbytes* of the device for one write (ENOSPC if that eats into the manifests' reserve,
+        counting the writes of the other threads in flight)."""
+        assert fd is not None
+        with self._lock:
+            _check_room(fd, nbytes, self._claimed)
+            self._claimed += nbytes
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._claimed -= nbytes
 
     def start(self) -> None:
         """Start the flusher threads."""

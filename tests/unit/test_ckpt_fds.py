@@ -4,16 +4,19 @@ number sending a write to another file) and its ValueError in ``ReadAhead.serve`
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import subprocess
 import threading
 from pathlib import Path
 
+import pytest
 import trio
 import trio.testing
 from conftest import device_dirs
 
-from fsd.ckpt.device_io import DeviceIO, FdCache, FlushJob
+from fsd.ckpt.device_io import META_RESERVE, DeviceIO, FdCache, FlushJob
 from fsd.ckpt.file_state import FileState
 from fsd.ckpt.manifest import data_name
 from fsd.ckpt.striping import Layout
@@ -212,3 +215,31 @@ def test_a_read_racing_a_shrink_gets_bytes_of_one_size_or_the_other(tmp_path: Pa
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_writes_in_flight_count_against_the_manifests_reserve(tmp_path: Path) -> None:
+    """Two flusher threads that checked the device's free space at once could both write and eat the
+    reserve kept for manifests (a create then failed with ENOSPC on a full device): a write's room is
+    claimed until it lands, and a second claim that would reach into the reserve is refused."""
+    dev_root = tmp_path / "dev"
+    dev_root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(dev_root)], check=True)
+    try:
+        dev = DeviceIO(0, dev_root, threads=1)
+        fd = os.open(dev_root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            st = os.fstatvfs(fd)
+            free = st.f_bavail * st.f_frsize
+            with dev._room(fd, free - META_RESERVE - 64 * BLOCK):  # fits, with 64 blocks to spare
+                with pytest.raises(OSError) as ei:
+                    with dev._room(fd, 128 * BLOCK):  # would fit alone, not beside the first
+                        pass
+                assert ei.value.errno == errno.ENOSPC
+                with dev._room(fd, 32 * BLOCK):
+                    pass
+            with dev._room(fd, 128 * BLOCK):  # the first landed (or failed): its claim is gone
+                pass
+        finally:
+            os.close(fd)
+    finally:
+        subprocess.run(["umount", "-l", str(dev_root)], capture_output=True)
