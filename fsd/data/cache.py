@@ -184,36 +184,37 @@ class DatasetCache:
 
     # ------------------------------------------------------------------ reads
     def read(self, file_id: int, off: int, size: int, rank: int | None = None) -> bytes:
-        """Bytes ``[off, off+size)`` of *file_id*, from RAM, staging, SSD or backend, for the job's
-        *rank* (None: the caller named none: :mod:`fsd.data.rank_of_pid`)."""
+        """Bytes ``[off, off+size)`` of *file_id* (blocking: :meth:`begin_read`, then its rest)."""
+        got = self.begin_read(file_id, off, size, rank)
+        return got if isinstance(got, bytes) else got()
+
+    def begin_read(self, file_id: int, off: int, size: int, rank: int | None = None) -> bytes | Callable[[], bytes]:
+        """A kernel read of ``[off, off+size)`` of *file_id* for the job's *rank* (None: the caller named
+        none: :mod:`fsd.data.rank_of_pid`): its bytes if RAM or staging holds the file, answered at once
+        without blocking (the FUSE loop calls it and skips the thread hop: a progress beacon's READ is
+        one of these); else the call that serves it from the SSD tier, a fetch or the backend, which the
+        caller runs on a worker thread. The reader's progress is noted here, once, either way."""
         t0 = self.clock()
         with self.guard:
             gen = self.catalog.gen(file_id)
-            q, plan_gen, inline = self.scheduler.reader_at(file_id, off, t0, size, rank)
-        out = self.fetcher.serve(file_id, off, size, q, plan_gen, inline, t0)
-        with self.guard:
-            self.kernel.served(file_id, gen, off, len(out))
-        return out
-
-    def read_resident(self, file_id: int, off: int, size: int, rank: int | None = None) -> bytes | None:
-        """Like :meth:`read` if *file_id* is in RAM or staging, else None and nothing happened.
-
-        Never blocks on I/O or on a fetch, so the FUSE loop may call it itself and skip the
-        worker-thread hop (a progress beacon's READ is one of these)."""
-        t0 = self.clock()
-        with self.guard:
             d = self.fetcher.memory_copy(file_id)
-            if d is None:
-                return None
-            gen = self.catalog.gen(file_id)
-            _, _, fetch = self.scheduler.reader_at(file_id, off, t0, size, rank)
-            if fetch is not None:  # resident, so no fetch of its own; in case, a worker runs it
-                assert isinstance(fetch.ref, Fetch)
-                fetch.ref.started = False
-                self.prefetcher.submit(fetch)
-            out = d[off : off + size]
-            self.kernel.served(file_id, gen, off, len(out))
-        return out
+            q, plan_gen, inline = self.scheduler.reader_at(file_id, off, t0, size, rank)
+            if d is not None:
+                if inline is not None:  # resident, so no fetch of its own; in case, a worker runs it
+                    assert isinstance(inline.ref, Fetch)
+                    inline.ref.started = False
+                    self.prefetcher.submit(inline)
+                out = d[off : off + size]
+                self.kernel.served(file_id, gen, off, len(out))
+                return out
+
+        def rest() -> bytes:
+            data = self.fetcher.serve(file_id, off, size, q, plan_gen, inline, t0)
+            with self.guard:
+                self.kernel.served(file_id, gen, off, len(data))
+            return data
+
+        return rest
 
     def note_lookup(self, file_id: int, rank: int | None = None) -> None:
         """The kernel looked *file_id* up for *rank*: a progress hint, and the moment a failed push can

@@ -284,9 +284,8 @@ class DataOperations(pyfuse3.Operations):
         self.counters.op("read")
         path = self.inodes.path(fh)
         rank = await self._rank(ctx)
-        data = self.router.read_resident(path, off, size, rank)  # RAM: answered here, no thread hop
-        if data is None:
-            data = await self._thread(self.router.read, path, off, size, rank, limiter=self.read_limiter)
+        got = self.router.read(path, off, size, rank)  # RAM: answered here, no thread hop
+        data = got if isinstance(got, bytes) else await self._thread(got, limiter=self.read_limiter)
         if self.refresher is not None:
             self.refresher.note_read(path, fh)  # this reply makes the kernel's atime stale
         return data

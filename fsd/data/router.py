@@ -10,6 +10,7 @@ through which the cache's pushes reach the kernel (:class:`fsd.data.kernel_port.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -144,25 +145,24 @@ class ReadRouter:
         fid = active.files.file_id(path)
         return None if fid is None else (active.cache, fid)
 
-    def read(self, path: bytes, off: int, size: int, rank: int | None = None) -> bytes:
-        """Serve a kernel read of dataset file *path* for the job's *rank* (None: not named; worker thread)."""
+    def read(self, path: bytes, off: int, size: int, rank: int | None = None) -> bytes | Callable[[], bytes]:
+        """A kernel read of dataset file *path* for the job's *rank* (None: not named): its bytes when RAM
+        holds them (the caller's thread, never blocking), else the call that reads them, for a worker
+        thread (:meth:`DatasetCache.begin_read`; a file outside the plan: the backend)."""
         planned = self._planned(path)
         if planned is not None:
-            cache, fid = planned
-            return cache.read(fid, off, size, rank)
+            return planned[0].begin_read(planned[1], off, size, rank)
         self._unplanned_reads += 1
         if off == 0 and self._active is not None:  # a read outside the plan (its later requests are part of it)
             self.reads.record(os.fsdecode(path), False)
+        return functools.partial(self._read_unplanned, path, off, size)
+
+    def _read_unplanned(self, path: bytes, off: int, size: int) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.root_fd)
         try:
             return os.pread(fd, size, off)
         finally:
             os.close(fd)
-
-    def read_resident(self, path: bytes, off: int, size: int, rank: int | None = None) -> bytes | None:
-        """:meth:`read` of a planned file held in RAM, without blocking (the FUSE loop); else None."""
-        planned = self._planned(path)
-        return planned[0].read_resident(planned[1], off, size, rank) if planned is not None else None
 
     def note_lookup(self, path: bytes, rank: int | None = None) -> None:
         """The kernel looked *path* up for the job's *rank* (a first open since its dentry expired)."""

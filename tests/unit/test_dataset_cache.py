@@ -519,25 +519,27 @@ def test_concurrent_readers_stress(ds: Dataset, tmp_path: Path, via_file: bool) 
     assert not os.path.exists(st["tiers"]["ssd"]["dir"])
 
 
-def test_read_resident_serves_ram_only_and_otherwise_does_nothing(ds: Dataset) -> None:
-    """The FUSE loop's no-hop path: bytes from RAM or staging, else None with no side effect."""
+def test_begin_read_answers_from_ram_at_once_and_hands_the_rest_to_a_thread(ds: Dataset) -> None:
+    """The one read entry: bytes from RAM or staging at once (the FUSE loop's no-hop path), else the
+    call that serves them, which the caller runs on a worker thread; the reader's progress noted once."""
     cache = DatasetCache(ds.backend, ram_bytes=int(ds.sizes.sum() * 2), fetch_threads=4)
     stream = epochs_stream(len(ds.paths), 2, seed=3)
     cache.set_plan(stream)
     ids = stream.file_ids.tolist()
     try:
-        before = cache.stats()
-        assert cache.read_resident(ids[0], 0, 10) is None  # nothing fetched yet (prefetcher not started)
-        assert cache.stats() == before  # and nothing was observed or counted
+        got = cache.begin_read(ids[0], 0, 10)  # nothing fetched yet (prefetcher not started)
+        assert callable(got) and cache.stats()["backend"]["reads"] == 0  # no I/O until the call runs
+        assert got() == ds.data[ids[0]][:10]
         cache.start()
-        for pos, f in enumerate(ids):
-            out = cache.read_resident(f, 0, 1 << 20)
-            if out is None:
-                out = cache.read(f, 0, 1 << 20)
-            assert out == ds.data[f], pos
+        at_once = 0
+        for pos, f in enumerate(ids[1:], 1):
+            got = cache.begin_read(f, 0, 1 << 20)
+            at_once += isinstance(got, bytes)
+            assert (got if isinstance(got, bytes) else got()) == ds.data[f], pos
         st = cache.stats()
         assert st["divergence"]["state"] == "synced" and st["divergence"]["divergences"] == 0
-        assert st["tiers"]["ram"]["hits"] + st["tiers"]["staging"]["hits"] > len(ids) // 2
+        assert at_once > len(ids) // 2
+        assert st["tiers"]["ram"]["hits"] + st["tiers"]["staging"]["hits"] >= at_once
     finally:
         cache.close()
 
