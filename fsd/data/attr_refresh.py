@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from fsd.data import tuning
 from fsd.threads import Workers
 
 log = logging.getLogger(__name__)
@@ -60,10 +61,10 @@ def _scan(path: bytes) -> None:
 class AttrRefresher:
     """Refreshes the kernel's attributes of files whose atime went stale after READs."""
 
-    LIST_FRACTION = 8  # a listing costs the daemon about what GETATTRs for 1/8 of its entries do
-    MIN_STALE = 32  # stale files that justify listing a directory of unknown size
-    INTERVAL_S = 0.1  # batching delay between a READ and the refresh
-    AGE_S = 0.5  # a directory not worth listing waits at most this long for more stale files
+    LIST_FRACTION = tuning.LIST_FRACTION
+    MIN_STALE = tuning.MIN_STALE
+    INTERVAL_S = tuning.REFRESH_INTERVAL_S
+    AGE_S = tuning.REFRESH_AGE_S
 
     def __init__(self, mountpoint: Path, dir_size: Callable[[bytes], int | None], *,
                  interval: float = INTERVAL_S, known: Callable[[int], bool] | None = None) -> None:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fsd.data import tuning
 from fsd.data.backend import Backend
 from fsd.data.catalog import FileCatalog
 from fsd.data.cursor import ActivePlan, PlanCursor
@@ -69,7 +70,7 @@ class DatasetCache:
     def __init__(self, backend: Backend, *, ram_bytes: int, ssd_dir: Path | None = None, ssd_bytes: int = 0,
                  fetch_threads: int = 8, kernel: PageCachePort | None = None, inodes: InodeMap | None = None,
                  room: Callable[[], int | None] = page_cache_room, clock: Callable[[], float] = time.monotonic,
-                 staging_fraction: float = Staging.STAGING_FRACTION, max_lead: int = PlanCursor.MAX_LEAD,
+                 staging_fraction: float = Staging.STAGING_FRACTION, max_lead: int = tuning.MAX_LEAD,
                  on_read: Callable[[int, bool], None] | None = None) -> None:
         self.backend = backend
         self.n_files = backend.n_files

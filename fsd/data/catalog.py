@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from fsd.data import tuning
+
 
 class FileCatalog:
     """Per file id: size (-1 until read) and generation; the mean of the sizes seen."""
 
-    DEFAULT_SIZE = 256 << 10  # the mean before any size is known
-    MIN_ESTIMATE = 4096  # an unknown file's reservation is at least this
+    DEFAULT_SIZE = tuning.DEFAULT_SIZE
+    MIN_ESTIMATE = tuning.MIN_ESTIMATE
 
     def __init__(self, n_files: int) -> None:
         self.n_files = n_files

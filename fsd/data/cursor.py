@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fsd.data import tuning
 from fsd.data.lead import LeadControl
 from fsd.data.progress import SYNCED, ProgressTracker
 from fsd.plan.access_stream import NodeStream
@@ -56,16 +57,14 @@ class ActivePlan:
 class PlanCursor:
     """The active plan, the reader tracker, the prefetch head and release point, and the plan hit rate."""
 
-    LEAD_S = 1.0
-    MAX_LEAD = 1 << 16
     # A reader served by the page cache sends nothing between beacons, and at an epoch turn none were
     # observed while its DataLoader workers started again: at ~2500 entries/s it ran ~2500 entries
     # past its front and the head (stopped at the first repeat), its next READs matched nothing, and
     # the tracker declared a divergence (1 of 8 bench-data runs). Reads may match as far ahead as the
-    # reader can have read at its rate since the front last moved, for up to this long.
-    BLIND_MAX_S = 2.0
+    # reader can have read at its rate since the front last moved, for up to tuning.BLIND_MAX_S.
+    BLIND_MAX_S = tuning.BLIND_MAX_S
 
-    def __init__(self, max_lead: int = MAX_LEAD) -> None:
+    def __init__(self, max_lead: int = tuning.MAX_LEAD) -> None:
         self.max_lead = max_lead
         self.plan: ActivePlan | None = None
         self.gen = 0  # plan generation: bumped by every set or clear
@@ -76,7 +75,7 @@ class PlanCursor:
         self.last: dict[int, int] = {}  # fid -> its latest pending access
         self.read_ahead: set[int] = set()  # accesses past the head their reader fetched itself
         self.resync_fronts: list[int] = []  # per rank: its front at the last resync
-        self.lead = LeadControl(self.LEAD_S, 64, max_lead)
+        self.lead = LeadControl(tuning.LEAD_S, tuning.PREFETCH_MIN_LEAD, max_lead)
         self.lead_target = 0
         self.counted = 0  # accesses of the plan before this one are counted (count)
         self.accesses = 0
@@ -91,8 +90,8 @@ class PlanCursor:
         self.counted = 0
         self.plan = plan
         self.tracker = tracker
-        self.lead = LeadControl(self.LEAD_S, 2 * plan.window + 4 * fetch_threads + tracker.beacon_every + 16,
-                                self.max_lead)
+        self.lead = LeadControl(tuning.LEAD_S, 2 * plan.window + 4 * fetch_threads + tracker.beacon_every
+                                + tuning.PREFETCH_LEAD_SLACK, self.max_lead)
 
     def clear(self) -> None:
         """No plan any more."""

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from fsd.data import tuning
 from fsd.data.backend import Backend
 from fsd.data.catalog import FileCatalog
 from fsd.data.cursor import PlanCursor
@@ -52,8 +53,8 @@ class WholeFiles(Protocol):
 class Fetcher:
     """Backend fetches (prefetch and demand), SSD-tier writes, and the read path."""
 
-    FETCH_WAIT_S = 10.0  # longest a reader waits for a fetch that another thread runs
-    QUEUED_HINT = 64  # accesses after a fetch's own whose files a source is told of (look-ahead)
+    FETCH_WAIT_S = tuning.FETCH_WAIT_S
+    QUEUED_HINT = tuning.QUEUED_HINT
 
     def __init__(self, guard: CacheGuard, backend: Backend, catalog: FileCatalog, staging: Staging,
                  residency: Residency, cursor: PlanCursor, kernel: KernelTier, clock: Callable[[], float]) -> None:

@@ -63,6 +63,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from fsd.data import tuning
 from fsd.data.catalog import FileCatalog
 from fsd.data.cursor import ActivePlan, PlanCursor
 from fsd.data.guard import CacheGuard
@@ -84,13 +85,11 @@ log = logging.getLogger(__name__)
 class KernelTier:
     """Pushes into the kernel page cache and what the kernel is believed to hold."""
 
-    PAGE_CACHE_PROBE_S = 0.05
-    LOSS_NEAR = 32  # accesses after a lost push that are suspect with it (see _lost)
-    LOSS_BURST, LOSS_BURST_S = 3, 0.1  # this many new losses this fast: a mass drop
-    # Of the page-cache room, what the kernel tier may hold: 0.9 gave later epochs of 9.4-10.6 s
-    # (e1 + e2, 4 runs of bench-data --skip-steady --skip-floor) against 10.5-12.4 s at 0.8.
-    KERNEL_SHARE = 0.9
-    STORES = 2  # every push stores its bytes twice: the second activates the pages
+    PAGE_CACHE_PROBE_S = tuning.PAGE_CACHE_PROBE_S
+    LOSS_NEAR = tuning.LOSS_NEAR
+    LOSS_BURST, LOSS_BURST_S = tuning.LOSS_BURST, tuning.LOSS_BURST_S
+    KERNEL_SHARE = tuning.KERNEL_SHARE
+    STORES = tuning.STORES
 
     def __init__(self, guard: CacheGuard, cursor: PlanCursor, catalog: FileCatalog, staging: Staging,
                  residency: Residency, port: PageCachePort | None, inodes: InodeMap,

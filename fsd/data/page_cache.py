@@ -29,13 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from fsd.data import tuning
 from fsd.plan.belady import BeladyIndex
 
 
 class PageCacheTier:
     """Bytes of each file the kernel page cache is believed to hold, keyed by next use."""
 
-    MAX_KEPT = 256  # candidates make_room passes over before it gives up
+    MAX_KEPT = tuning.MAX_KEPT
 
     def __init__(self, capacity: int | None = None) -> None:
         self.capacity = capacity  # None: unknown, no bound (the kernel's reclaim decides)

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from fsd.data import tuning
 from fsd.threads import start_thread
 
 if TYPE_CHECKING:
@@ -30,14 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WINDOW = 1000
-"""Reads the verdict is over."""
-
-MIN_READS = 64
-"""Reads a NOT followed verdict needs before the mistakes are checked (fewer say too little). When no
-mistake fits them, the check runs again each time the reads since the plan doubled."""
-
-CHECK_EVERY_S = 1.0
+WINDOW = tuning.VERDICT_WINDOW
+MIN_READS = tuning.VERDICT_MIN_READS  # when no mistake fits them, checked again each time the reads double
+CHECK_EVERY_S = tuning.VERDICT_CHECK_EVERY_S
 
 
 class ReadLog:

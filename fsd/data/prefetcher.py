@@ -25,6 +25,7 @@ import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fsd.data import tuning
 from fsd.threads import Workers
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,8 @@ class Prefetcher:
     costs ~150 us of CPU, so 50 such waits a second kept an idle mount at 2 % of a core.
     """
 
-    IDLE_WAIT_S = 0.02
-    IDLE_WAIT_MAX_S = 0.1  # also bounds how late schedule()'s own polls (room, drop_caches) run
+    IDLE_WAIT_S = tuning.IDLE_WAIT_S
+    IDLE_WAIT_MAX_S = tuning.IDLE_WAIT_MAX_S
 
     def __init__(self, schedule: Callable[[], list[Task]], execute: Callable[[Task], None],
                  wait: Callable[[float], bool], fetch_threads: int) -> None:

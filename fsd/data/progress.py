@@ -75,6 +75,9 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
+from fsd.data import tuning
+from fsd.data.tuning import (CONTINUE_BYTES, CONTINUE_S, DIV_THRESHOLD, DIV_WINDOW, MAX_ANCHORS, PROBATION,
+                             READING_MAX, RESYNC_MATCHES)
 from fsd.plan.access_stream import rank_values
 from fsd.plan.belady import NEVER, FileIndex
 
@@ -83,14 +86,6 @@ log = logging.getLogger(__name__)
 SYNCED = "synced"
 DIVERGED = "diverged"
 
-DIV_WINDOW = 32
-DIV_THRESHOLD = 12
-RESYNC_MATCHES = 8
-PROBATION = 2 * DIV_WINDOW  # matched reads a resync must hold for before the next one is trusted at once
-MAX_ANCHORS = 4096  # positions a resync run is tried at: its newest read's file's first accesses
-CONTINUE_S = 0.2  # a read at offset > 0 this soon after the read of the file that it continues is part of it
-CONTINUE_BYTES = 4 << 20  # ... and at most this far past where that one ended (readahead)
-READING_MAX = 4096  # files whose last read is remembered for that
 
 
 class ProgressTracker:
@@ -122,14 +117,14 @@ class ProgressTracker:
             self.rank_of = None
             self.fronts = [-1]
             self._dense = {}
-        self._hist: list[deque[int]] = [deque(maxlen=5) for _ in self.fronts]
+        self._hist: list[deque[int]] = [deque(maxlen=tuning.FRONT_HISTORY) for _ in self.fronts]
         bounds = np.asarray(epoch_bounds if epoch_bounds is not None and len(epoch_bounds) >= 2 else [0, n])
         self._bounds = bounds.astype(np.int64)
         self._last_in: dict[tuple[int, int], int] = {}  # (rank, epoch) -> the rank's last access in it
         # per rank: where it has read, the second furthest of its last 5 plausible matches (one
         # ambiguous read attributed to another rank's later access must not move it an epoch on)
         self._top = [-1] * len(self.fronts)
-        self._plausible: list[deque[int]] = [deque(maxlen=5) for _ in self.fronts]
+        self._plausible: list[deque[int]] = [deque(maxlen=tuning.FRONT_HISTORY) for _ in self.fronts]
         self._t_rank: list[float | None] = [None] * len(self.fronts)  # per rank: when it last matched
         self._taken: set[int] = set()  # accesses a read matched (a file is read once per access)
         # fid -> (q, end offset of its last read (-1: a lookup), t, its rank (-1: unknown))
@@ -203,7 +198,7 @@ class ProgressTracker:
         if got is None:
             a, b = int(self._bounds[e]), int(self._bounds[min(e + 1, len(self._bounds) - 1)])
             got = a - 1
-            step = 256
+            step = tuning.LAST_SCAN_STEP
             hi = b
             while hi > a:
                 lo = max(a, hi - step)
@@ -278,7 +273,7 @@ class ProgressTracker:
         e_lead = self.epoch_of(max(self.front, 0))
         named = rank is not None  # see the rules for a named read in the docstring
         best = (9, int(NEVER))
-        for q in p[k : k + 64].tolist():
+        for q in p[k : k + tuning.MATCH_CANDIDATES].tolist():
             if q > limit:
                 break
             r = self.rank_at(q)
@@ -302,7 +297,7 @@ class ProgressTracker:
             # those may be put at the other rank's access)
             last = self._last_of(r, ef)
             left = last - at - max(1, self.window // 2)
-            if eq == ef and last - at <= self.window // 16 and self.epoch_of(max(self._plausible[r], default=-1)) > ef:
+            if eq == ef and last - at <= self.window // tuning.DONE_SLACK_DIVISOR and self.epoch_of(max(self._plausible[r], default=-1)) > ef:
                 continue  # it read to its epoch's end and then in the next one: it is done with this one
             can_be_in = eq == ef or left <= carried or named  # the next epoch: once it can have finished this one
             if taken:
@@ -412,7 +407,7 @@ class ProgressTracker:
             d.append(q)
             self._top[r] = max(self._top[r], sorted(d)[-2] if len(d) > 1 else q)
         self._t_rank[r] = now
-        # a rank's front is the median of its last 5 matches (so it trails the newest match by two): on a small dataset a read can be
+        # a rank's front is the median of its last FRONT_HISTORY matches (so it trails the newest match by two): on a small dataset a read can be
         # ambiguous (attributed to another rank's later access); lone outliers must not move it
         h = self._hist[r]
         h.append(q)
@@ -429,9 +424,9 @@ class ProgressTracker:
             self._rate_pos, self._rate_t = q, now
             return
         dt = now - self._rate_t
-        if dt >= 0.05:
+        if dt >= tuning.RATE_MIN_DT_S:
             inst = (q - self._rate_pos) / dt
-            self.rate = inst if self.rate <= 0 else 0.7 * self.rate + 0.3 * inst
+            self.rate = inst if self.rate <= 0 else (1 - tuning.RATE_WEIGHT) * self.rate + tuning.RATE_WEIGHT * inst
             self._rate_pos, self._rate_t = q, now
 
     def _resync(self, fid: int, now: float, max_jump: int, rank: int | None) -> int | None:
@@ -499,9 +494,9 @@ class ProgressTracker:
                 last[r] = max(last.get(r, a), a)
         for r, a in last.items():
             self.fronts[r] = a
-            self._hist[r] = deque([a], maxlen=5)
+            self._hist[r] = deque([a], maxlen=tuning.FRONT_HISTORY)
             self._top[r], self._t_rank[r] = a, now
-            self._plausible[r] = deque([a], maxlen=5)
+            self._plausible[r] = deque([a], maxlen=tuning.FRONT_HISTORY)
         self.fronts = [f if f >= 0 else anchor for f in self.fronts]
         self._taken.clear()  # the readers may read those accesses again (a job restarted)
         self._reading.clear()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 
+from fsd.data import tuning
 from fsd.data.cursor import ActivePlan
 from fsd.data.lead import LeadControl
 from fsd.data.memory import PAGE, LowWater
@@ -35,19 +36,17 @@ class PushWindow:
     """The push limit (a stream position), the page-cache room behind it, the beacon spacing, and
     the pushes deferred beyond the limit."""
 
-    BEACON_EVERY = 16  # beacon spacing while the reader is served by the daemon (stalls, losses)
-    BEACON_MAX = 256  # sparsest spacing, for a fast page-cache-hot reader (LeadControl.beacon_spacing)
-    BEACON_FAR = 4096  # sparsest spacing when pushes reach far ahead (a quarter of the push window)
-    PUSH_SHARE = 0.25  # of the page-cache room, what pushes ahead of the reader may cover
-    ROOM_EVERY_S = 0.1  # how often the page-cache room is read (~0.1 ms: cgroupfs, /proc/meminfo)
-    ROOM_WINDOW_S = 10.0  # pushes size by the room's low-water mark over this long
-    LEAD_S = 1.0
-    MAX_LEAD = 1 << 16
+    BEACON_EVERY = tuning.BEACON_EVERY
+    BEACON_MAX = tuning.BEACON_MAX
+    BEACON_FAR = tuning.BEACON_FAR
+    PUSH_SHARE = tuning.PUSH_SHARE
+    ROOM_EVERY_S = tuning.ROOM_EVERY_S
+    ROOM_WINDOW_S = tuning.ROOM_WINDOW_S
 
     def __init__(self) -> None:
         self.beacon_every = self.BEACON_EVERY  # current beacon spacing (adaptive, see size)
         self.beacon_shift = 0  # beacon level a beacon has at that spacing (set_beacon_spacing)
-        self.ctl = LeadControl(self.LEAD_S, 16, self.MAX_LEAD)  # the cap losses halve
+        self.ctl = LeadControl(tuning.LEAD_S, tuning.PUSH_MIN_LEAD, tuning.MAX_LEAD)  # the cap losses halve
         self.room: int | None = None  # page-cache room: its low-water mark over ROOM_WINDOW_S
         self.room_t = -1.0
         self._room_low = LowWater(self.ROOM_WINDOW_S)
@@ -60,7 +59,8 @@ class PushWindow:
 
     def follow(self, plan: ActivePlan) -> None:
         """A new plan: the cap starts again from an eighth of its reorder window, beacons at the base."""
-        self.ctl = LeadControl(self.LEAD_S, max(16, plan.window // 8), self.MAX_LEAD)
+        self.ctl = LeadControl(tuning.LEAD_S, max(tuning.PUSH_MIN_LEAD, plan.window // tuning.PUSH_LEAD_WINDOW_DIVISOR),
+                               tuning.MAX_LEAD)
         self.set_beacon_spacing(self.BEACON_EVERY, plan.rank_bits)
 
     def defer(self, pos: int, fid: int) -> None:

@@ -31,11 +31,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fsd.data import tuning
+
 log = logging.getLogger(__name__)
 
 RANK_VARS: tuple[str, ...] = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
-RECHECK_S = 2.0  # an entry this old is resolved again at its pid's next request (pid reuse, exec)
-MAX_PIDS = 1 << 14  # entries kept; the oldest go first (processes that stopped sending requests)
+RECHECK_S = tuning.RANK_RECHECK_S
+MAX_PIDS = tuning.RANK_MAX_PIDS
 
 
 @dataclass(frozen=True)

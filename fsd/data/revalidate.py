@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
+from fsd.data import tuning
 from fsd.threads import Workers
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class Revalidator:
     #: The rate is held over bursts this long: the thread sleeps only once it is this far ahead.
     #: Measured (8000 files, 2000 stats/s, one sweep): a sleep whenever 5 ms ahead cost 24 us of
     #: CPU per stat, 4.7 of them the stat itself and the rest the wake-ups; 50 ms bursts cost 7.8.
-    PACE_S = 0.05
+    PACE_S = tuning.REVALIDATE_PACE_S
 
     def __init__(
         self,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from fsd.data import tuning
 from fsd.data.catalog import FileCatalog
 from fsd.data.cursor import PlanCursor
 from fsd.data.guard import CacheGuard
@@ -44,8 +45,8 @@ BLOCKED = "blocked"  # process(): the head stops here for now
 class Scheduler:
     """The coordinator's side of the cache: the head, catch-up, retiring, position resets."""
 
-    FILL_INFLIGHT_PER_THREAD = 2
-    TASKS_PER_ROUND = 64
+    FILL_INFLIGHT_PER_THREAD = tuning.FILL_INFLIGHT_PER_THREAD
+    TASKS_PER_ROUND = tuning.TASKS_PER_ROUND
 
     def __init__(self, guard: CacheGuard, catalog: FileCatalog, staging: Staging, residency: Residency,
                  cursor: PlanCursor, kernel: KernelTier, fetch_threads: int, clock: Callable[[], float]) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from fsd.data import tuning
 from fsd.data.prefetcher import Task
 
 
@@ -45,8 +46,8 @@ class Fetch:
 class Staging:
     """Bytes of transient files and in-flight fetches within ``capacity``; fills and SSD writes."""
 
-    STAGING_FRACTION = 0.25
-    STAGING_MAX = 512 << 20
+    STAGING_FRACTION = tuning.STAGING_FRACTION
+    STAGING_MAX = tuning.STAGING_MAX
 
     def __init__(self, capacity: int) -> None:
         self.capacity = int(capacity)
