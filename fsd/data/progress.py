@@ -297,7 +297,8 @@ class ProgressTracker:
             # those may be put at the other rank's access)
             last = self._last_of(r, ef)
             left = last - at - max(1, self.window // 2)
-            if eq == ef and last - at <= self.window // tuning.DONE_SLACK_DIVISOR and self.epoch_of(max(self._plausible[r], default=-1)) > ef:
+            if (eq == ef and last - at <= self.window // tuning.DONE_SLACK_DIVISOR
+                    and self.epoch_of(max(self._plausible[r], default=-1)) > ef):
                 continue  # it read to its epoch's end and then in the next one: it is done with this one
             can_be_in = eq == ef or left <= carried or named  # the next epoch: once it can have finished this one
             if taken:
@@ -407,7 +408,8 @@ class ProgressTracker:
             d.append(q)
             self._top[r] = max(self._top[r], sorted(d)[-2] if len(d) > 1 else q)
         self._t_rank[r] = now
-        # a rank's front is the median of its last FRONT_HISTORY matches (so it trails the newest match by two): on a small dataset a read can be
+        # a rank's front is the median of its last FRONT_HISTORY matches (so it trails the newest match by two):
+        # on a small dataset a read can be
         # ambiguous (attributed to another rank's later access); lone outliers must not move it
         h = self._hist[r]
         h.append(q)
