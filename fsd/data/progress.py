@@ -409,8 +409,8 @@ class ProgressTracker:
             self._top[r] = max(self._top[r], sorted(d)[-2] if len(d) > 1 else q)
         self._t_rank[r] = now
         # a rank's front is the median of its last FRONT_HISTORY matches (so it trails the newest match by two):
-        # on a small dataset a read can be
-        # ambiguous (attributed to another rank's later access); lone outliers must not move it
+        # on a small dataset a read can be ambiguous (attributed to another rank's later access); lone
+        # outliers must not move it
         h = self._hist[r]
         h.append(q)
         robust = sorted(h)[len(h) // 2]
