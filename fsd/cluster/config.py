@@ -15,6 +15,9 @@ One TOML file (``fsd mount --cluster FILE``) or the ``[data.cluster]`` table of
     capacity = "16G"              # tier bytes of every node, or a list with one size per node
     node_ranks = [[0, 1], [2, 3]] # ranks per node (default: contiguous blocks of num_replicas / nodes)
     metrics = "10.1.0.1:9100"     # Prometheus exporter address (off when absent)
+    tls_cert = "node.pem"         # mutual TLS (all three, or none): this node's certificate (PEM), naming
+    tls_key = "node.key"          #   its address of `nodes` (an IP SAN for an IP), its key (mode 600),
+    tls_ca = "ca.pem"             #   and the CA that signed every node's certificate
 
 Inside a Slurm job, ``nodes = "slurm"`` with ``port = 7070`` derives the list from
 ``SLURM_JOB_NODELIST`` (expanded with the ``hostlist`` module, or ``scontrol show
@@ -44,11 +47,22 @@ log = logging.getLogger(__name__)
 MAX_NODES = 1 << 16
 MAX_SECRET_BYTES = 4096
 KEYS = ("node", "nodes", "port", "listen", "secret_file", "fetch_timeout", "connect_timeout", "backoff_max",
-        "max_batch", "capacity", "node_ranks", "metrics")
+        "max_batch", "capacity", "node_ranks", "metrics", "tls_cert", "tls_key", "tls_ca")
+TLS_KEYS = ("tls_cert", "tls_key", "tls_ca")
+MAX_PEM_BYTES = 1 << 20
 
 
 class ClusterConfigError(FsdError):
     """A bad cluster configuration; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM bytes of mutual TLS between the nodes: this node's certificate and key, and the CA."""
+
+    cert: bytes
+    key: bytes = field(repr=False)
+    ca: bytes
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,7 @@ class ClusterConfig:
     capacities: tuple[int, ...] | None = None
     node_ranks: tuple[tuple[int, ...], ...] | None = None
     metrics: str | None = None
+    tls: TlsFiles | None = None
 
     @property
     def size(self) -> int:
@@ -323,6 +338,7 @@ def parse_cluster(table: Mapping[str, Any], where: str = "cluster config", base:
     if metrics is not None:
         metrics = join_address(*split_address(metrics, f"{where}: `metrics`"))
     return ClusterConfig(
+        tls=_tls(table, where, base),
         index=index_v, nodes=tuple(nodes), secret_file=secret_file, secret=secret, listen=listen,
         fetch_timeout=_number(table, "fetch_timeout", 10.0, where),
         connect_timeout=_number(table, "connect_timeout", 5.0, where),
@@ -330,6 +346,38 @@ def parse_cluster(table: Mapping[str, Any], where: str = "cluster config", base:
         max_batch=max_batch, capacities=_capacities(table.get("capacity"), len(nodes), where),
         node_ranks=node_ranks, metrics=metrics,
     )
+
+
+def _tls(table: Mapping[str, Any], where: str, base: Path | None) -> TlsFiles | None:
+    """The TLS files named by the table (all three or none), read and checked."""
+    given = [k for k in TLS_KEYS if k in table]
+    if not given:
+        return None
+    if len(given) != len(TLS_KEYS):
+        missing = [k for k in TLS_KEYS if k not in table]
+        raise ClusterConfigError(f"{where}: mutual TLS needs all of {list(TLS_KEYS)}; missing {missing}")
+    pem: dict[str, bytes] = {}
+    for k in TLS_KEYS:
+        v = table[k]
+        if not isinstance(v, str) or not v:
+            raise ClusterConfigError(f"{where}: `{k}` must be a path string, got {v!r}")
+        p = Path(v) if base is None else base / v
+        try:
+            st = p.stat()
+            if st.st_size > MAX_PEM_BYTES:
+                raise ClusterConfigError(f"{where}: `{k}` {p} is larger than {MAX_PEM_BYTES} bytes: not a PEM file")
+            if k == "tls_key" and st.st_mode & (stat.S_IROTH | stat.S_IWOTH):
+                raise ClusterConfigError(f"{where}: `tls_key` {p} is readable or writable by everyone; "
+                                         f"run: chmod 600 {p}")
+            data = p.read_bytes()
+        except FileNotFoundError:
+            raise ClusterConfigError(f"{where}: `{k}` {p} does not exist") from None
+        except OSError as e:
+            raise ClusterConfigError(f"{where}: `{k}` {p}: {e.strerror}") from None
+        if b"-----BEGIN " not in data:
+            raise ClusterConfigError(f"{where}: `{k}` {p} holds no PEM block (-----BEGIN ...)")
+        pem[k] = data
+    return TlsFiles(cert=pem["tls_cert"], key=pem["tls_key"], ca=pem["tls_ca"])
 
 
 def load_cluster(path: Path | str, env: Mapping[str, str] | None = None) -> ClusterConfig:
@@ -358,6 +406,6 @@ def check_node_ranks(cfg: ClusterConfig, num_replicas: int, ranks: Sequence[int]
     return layout
 
 
-__all__ = ["KEYS", "ClusterConfig", "ClusterConfigError", "check_node_ranks", "expand_hostlist", "join_address",
+__all__ = ["KEYS", "ClusterConfig", "ClusterConfigError", "TlsFiles", "check_node_ranks", "expand_hostlist", "join_address",
            "load_cluster", "node_of_rank", "parse_cluster", "read_secret", "resolve_node_ranks", "slurm_nodes",
            "split_address"]

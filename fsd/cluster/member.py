@@ -147,7 +147,7 @@ class ClusterMember:
             old.close()
 
     # ------------------------------------------------------------------ peers
-    def serve(self, fid: int) -> bytes | None:
+    def serve(self, fid: int) -> tuple[bytes, int] | None:
         """A peer's request for file *fid* (grpc threads): see :meth:`ClusterSource.serve`."""
         src = self.source
         return src.serve(fid) if src is not None else None

@@ -30,13 +30,15 @@ _PEER_COUNTERS = {
     "timeouts": "Batch calls to the peer past their deadline",
     "refusals": "Batch calls the peer refused (secret or plan)",
     "skipped_batches": "Batches not tried: the peer's breaker was open",
+    "bad_samples": "Samples from the peer that failed their checksum or size (read from the PFS instead)",
     "served_bytes": "Bytes served to the peer",
     "served_samples": "Samples served to the peer",
     "served_missing": "Ids the peer asked for that this node did not have",
     "served_refused": "Calls of the peer this node refused",
 }
 _SERVER_COUNTERS = {
-    "unauthenticated": "Peer requests refused for a bad or missing secret",
+    "unauthenticated": "Peer requests refused: unsigned, another secret, out of the time window or replayed",
+    "replays": "Peer requests refused as replays (a nonce seen already)",
     "plan_refusals": "Peer requests refused because the plan fingerprint differs",
     "bad_requests": "Peer requests refused for ids outside the dataset or too large a batch",
     "serve_errors": "serve() calls that failed (answered missing)",

@@ -17,14 +17,16 @@ class FetchRequest(_message.Message):
     def __init__(self, fingerprint: _Optional[str] = ..., node: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("id", "missing", "data")
+    __slots__ = ("id", "missing", "data", "xxh3")
     ID_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
     id: int
     missing: bool
     data: bytes
-    def __init__(self, id: _Optional[int] = ..., missing: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...
+    xxh3: int
+    def __init__(self, id: _Optional[int] = ..., missing: _Optional[bool] = ..., data: _Optional[bytes] = ..., xxh3: _Optional[int] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("fingerprint", "node")

@@ -36,7 +36,7 @@ import numpy as np
 from . import stats as st
 from .compat import start_thread
 from .ownership import Ownership
-from .transport import PeerClient, Peers
+from .transport import PeerClient, Peers, checksum
 
 log = logging.getLogger(__name__)
 
@@ -63,40 +63,50 @@ class PfsFiles(Protocol):
     def size(self, file_id: int) -> int: ...
 
 
+Sample = tuple[bytes, int]
+"""A file's bytes as read from the PFS and their XXH3-64, computed then (peers check it)."""
+
+
+def pfs_sample(pfs: PfsFiles, fid: int) -> Sample:
+    """Read *fid* from the PFS and checksum it."""
+    data = pfs.read_file(fid)
+    return data, checksum(data)
+
+
 class OwnedStore:
-    """File id -> bytes of the owned files the cluster caches here, at most *capacity* bytes."""
+    """File id -> sample of the owned files the cluster caches here, at most *capacity* bytes."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(0, int(capacity))
         self.used = 0
-        self._data: dict[int, bytes] = {}
+        self._data: dict[int, Sample] = {}
         self._lock = threading.Lock()
 
-    def get(self, fid: int) -> bytes | None:
+    def get(self, fid: int) -> Sample | None:
         return self._data.get(fid)
 
-    def put(self, fid: int, data: bytes) -> bool:
-        """Keep *data* if it fits (the owner map keeps each node's share within its capacity)."""
+    def put(self, fid: int, sample: Sample) -> bool:
+        """Keep *sample* if it fits (the owner map keeps each node's share within its capacity)."""
         with self._lock:
             if fid in self._data:
                 return True
-            if self.used + len(data) > self.capacity:
+            if self.used + len(sample[0]) > self.capacity:
                 return False
-            self._data[fid] = data
-            self.used += len(data)
+            self._data[fid] = sample
+            self.used += len(sample[0])
             return True
 
     def drop(self, fid: int) -> None:
         with self._lock:
             d = self._data.pop(fid, None)
             if d is not None:
-                self.used -= len(d)
+                self.used -= len(d[0])
 
     def keep_only(self, keep: Callable[[int], bool]) -> None:
         """Drop every file for which *keep* is false (a new owner map)."""
         with self._lock:
             for fid in [f for f in self._data if not keep(f)]:
-                self.used -= len(self._data.pop(fid))
+                self.used -= len(self._data.pop(fid)[0])
 
     def __len__(self) -> int:
         return len(self._data)
@@ -108,34 +118,34 @@ class RecentBuffer:
     def __init__(self, capacity: int = RECENT_BYTES) -> None:
         self.capacity = capacity
         self.used = 0
-        self._data: OrderedDict[int, bytes] = OrderedDict()
+        self._data: OrderedDict[int, Sample] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, fid: int) -> bytes | None:
+    def get(self, fid: int) -> Sample | None:
         with self._lock:
             d = self._data.get(fid)
             if d is not None:
                 self._data.move_to_end(fid)
             return d
 
-    def put(self, fid: int, data: bytes) -> None:
-        if len(data) > self.capacity:
+    def put(self, fid: int, sample: Sample) -> None:
+        if len(sample[0]) > self.capacity:
             return
         with self._lock:
             old = self._data.pop(fid, None)
             if old is not None:
-                self.used -= len(old)
-            self._data[fid] = data
-            self.used += len(data)
+                self.used -= len(old[0])
+            self._data[fid] = sample
+            self.used += len(sample[0])
             while self.used > self.capacity:
                 _, d = self._data.popitem(last=False)
-                self.used -= len(d)
+                self.used -= len(d[0])
 
     def drop(self, fid: int) -> None:
         with self._lock:
             d = self._data.pop(fid, None)
             if d is not None:
-                self.used -= len(d)
+                self.used -= len(d[0])
 
 
 @dataclass
@@ -297,7 +307,7 @@ class ClusterSource:
         them); those of other owners are asked for now, in the same batches (look-ahead), and
         taken from here when their fetch runs."""
         if self.owns(fid):
-            data, local = self._owned(fid, for_peer=False)
+            (data, _), local = self._owned(fid, for_peer=False)
             if local:
                 self.counters.add(local_bytes=len(data), local_files=1)
             self._ask_ahead(queued)
@@ -313,6 +323,11 @@ class ClusterSource:
             slot = got[0] if got is not None else None
             mine = self._ask_ahead(queued, (owner, fid) if slot is None else None)
             data = q.wait(slot if slot is not None else mine, self.wait_s)  # type: ignore[arg-type]
+        if data is not None and len(data) != int(self.sizes[fid]):  # not the file the plan knows
+            self.queues[owner].client.stats.add(bad_samples=1)
+            log.warning("cluster: file %d from node %d has %d bytes, the plan knows %d; reading the PFS", fid,
+                        owner, len(data), int(self.sizes[fid]))
+            data = None
         if data is not None:
             self.counters.add(peer_bytes=len(data), peer_files=1)
             return data
@@ -360,8 +375,8 @@ class ClusterSource:
                     self._ahead[f] = (slot, now)
         return mine
 
-    def _owned(self, fid: int, for_peer: bool) -> tuple[bytes, bool]:
-        """An owned file: ``(bytes, from memory)``; read from the PFS by one thread at a time."""
+    def _owned(self, fid: int, for_peer: bool) -> tuple[Sample, bool]:
+        """An owned file: ``(sample, from memory)``; read from the PFS by one thread at a time."""
         while True:
             d = self.store.get(fid)
             if d is None:
@@ -377,19 +392,19 @@ class ClusterSource:
                 ev.wait()
                 continue  # the other reader stored it (or failed: then we try ourselves)
             try:
-                data = self.pfs.read_file(fid)
-                self.counters.add(pfs_bytes=len(data), pfs_files=1, served_pfs_reads=int(for_peer))
-                if not (self.own.cached[fid] and self.store.put(fid, data)):
-                    self.recent.put(fid, data)
-                return data, False
+                sample = pfs_sample(self.pfs, fid)
+                self.counters.add(pfs_bytes=len(sample[0]), pfs_files=1, served_pfs_reads=int(for_peer))
+                if not (self.own.cached[fid] and self.store.put(fid, sample)):
+                    self.recent.put(fid, sample)
+                return sample, False
             finally:
                 with self._lock:
                     self._inflight.pop(fid, None)
                 ev.set()
 
     # ------------------------------------------------------------------ a peer's request
-    def serve(self, fid: int) -> bytes | None:
-        """*fid*'s bytes for a peer (grpc thread): owned files, or a recent copy; else None."""
+    def serve(self, fid: int) -> Sample | None:
+        """*fid*'s sample for a peer (grpc thread): owned files, or a recent copy; else None."""
         if self.closed:
             return None
         if self.owns(fid):

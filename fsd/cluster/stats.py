@@ -45,6 +45,7 @@ class PeerStats:
     errors: int = 0
     timeouts: int = 0
     refusals: int = 0           # calls it refused (secret or plan)
+    bad_samples: int = 0        # samples that failed their checksum or size: read from the PFS instead
     served_samples: int = 0
     served_bytes: int = 0
     served_missing: int = 0
@@ -111,6 +112,7 @@ class ServerStats:
     """Requests refused before any peer could be trusted, and the serving totals."""
 
     unauthenticated: int = 0
+    replays: int = 0            # of those, requests played again (a nonce seen already)
     plan_refusals: int = 0
     bad_requests: int = 0
     serve_errors: int = 0

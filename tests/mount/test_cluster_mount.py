@@ -14,13 +14,16 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from conftest import REPO, wait_for
 from torch.utils.data import DistributedSampler
 
-from fsd.cluster import peer_pb2, peer_pb2_grpc
+from fsd.cluster import auth, peer_pb2, peer_pb2_grpc
+from fsd.cluster.config import read_secret
+from fsd.cluster.transport import PeerServer, checksum
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(180)]
 
@@ -49,19 +52,21 @@ def _dataset(root: Path, classes: int = 4, per_class: int = 30) -> list[Path]:
 class Cluster:
     """Two nodes' config files (same list, same secret) and their mounts."""
 
-    def __init__(self, tmp: Path, mounter, *, capacity: str = "4M", metrics: bool = False) -> None:
+    def __init__(self, tmp: Path, mounter, *, capacity: str = "4M", metrics: bool = False,
+                 mounted: tuple[int, ...] = (0, 1)) -> None:
         self.tmp = tmp
         self.src = tmp / "src"
         self.files = _dataset(self.src)
         self.expect = {p.relative_to(self.src): p.read_bytes() for p in self.files}
-        secret = tmp / "secret"
+        self.secret = secret = tmp / "secret"
         secret.write_text("test-secret-0123456789\n")
         secret.chmod(0o600)
         self.ports = [_free_port(), _free_port()]
         self.metrics_port = _free_port() if metrics else None
         nodes = json.dumps([f"127.0.0.1:{p}" for p in self.ports])
-        self.mnts, self.mounts = [], []
-        for i in range(2):
+        self.mnts: dict[int, Path] = {}
+        self.mounts: dict[int, Any] = {}
+        for i in mounted:
             cfg = tmp / f"node{i}.toml"
             cfg.write_text(f"node = {i}\nnodes = {nodes}\nsecret_file = \"{secret}\"\ncapacity = \"{capacity}\"\n"
                            "fetch_timeout = 5.0\nconnect_timeout = 1.0\nbackoff_max = 2.0\n")
@@ -70,8 +75,8 @@ class Cluster:
             args = ["--data", self.src, "--at", mnt, "--ram-cache", "256K", "--cluster", cfg]
             if metrics and i == 0:
                 args += ["--metrics-port", str(self.metrics_port)]
-            self.mounts.append(mounter(args, mnt))
-            self.mnts.append(mnt)
+            self.mounts[i] = mounter(args, mnt)
+            self.mnts[i] = mnt
 
     def plan(self, i: int, **over) -> dict:
         return {"seed": SEED, "epochs": EPOCHS, "sampler": "distributed", "num_replicas": 2, "ranks": [i],
@@ -124,6 +129,16 @@ def test_reads_through_the_peer_are_byte_exact_and_counted(tmp_path: Path, mount
             list(stub.Fetch(peer_pb2.FetchRequest(fingerprint=s0["fingerprint"], node=1, ids=[0, 1]), timeout=10))
         assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert c.status(0)["server"]["unauthenticated"] >= 1
+    # a signed request played again is refused: its nonce was seen
+    req = peer_pb2.FetchRequest(fingerprint=s0["fingerprint"], node=1, ids=[0])
+    md = auth.sign(auth.derive_key(read_secret(c.secret)), "Fetch", req.SerializeToString(deterministic=True))
+    with grpc.insecure_channel(f"127.0.0.1:{c.ports[0]}") as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        assert len(list(stub.Fetch(req, metadata=md, timeout=10))) == 1
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Fetch(req, metadata=md, timeout=10))
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED and "replayed" in (ei.value.details() or "")
+    assert c.status(0)["server"]["replays"] == 1
 
 
 def test_a_peer_killed_mid_read_falls_back_to_the_pfs(tmp_path: Path, mounter) -> None:
@@ -175,6 +190,34 @@ def test_plans_that_differ_are_not_shared(tmp_path: Path, mounter) -> None:
     c.mounts[1].control(c.plan(0))
     assert wait_for(lambda: "ranks" in (c.status(1)["not_sharing_because"] or ""))
     c.read_exact(1, sorted(c.expect))
+
+
+def test_corrupt_samples_from_a_peer_are_read_from_the_pfs_and_counted(tmp_path: Path, mounter) -> None:
+    """Node 0 answers with the cluster's secret and plan but wrong bytes: half with the checksum of the
+    right ones (changed after the owner read them), half of another size. Node 1 uses none of them."""
+    c = Cluster(tmp_path, mounter, mounted=(1,))
+    files = [p.read_bytes() for p in c.files]  # file id = place in the plan's (imagefolder) order
+
+    def serve(fid: int) -> tuple[bytes, int]:
+        good = files[fid]
+        if fid % 2:
+            return good + b"!", checksum(good + b"!")
+        return bytes(b ^ 1 for b in good), checksum(good)
+
+    bad = PeerServer(f"127.0.0.1:{c.ports[0]}", read_secret(c.secret), 0, n_files=len(files), serve=serve)
+    bad.start()
+    try:
+        c.mounts[1].control(c.plan(1))
+        assert wait_for(lambda: c.status(1)["sharing"])
+        bad.set_plan(c.status(1)["fingerprint"], len(files))  # the same plan: node 1 fetches from it
+        for epoch in range(EPOCHS):
+            c.read_exact(1, c.order(1, epoch))
+        s1 = c.status(1)
+        assert s1["peers"][0]["bad_samples"] > 0 and s1["bytes"]["peers"] == 0
+        assert s1["source"]["fallback_files"] >= s1["peers"][0]["bad_samples"]
+        assert bad.stats.snapshot()["unauthenticated"] == 0  # node 1's requests were signed
+    finally:
+        bad.stop(0)
 
 
 def _job(i: int, more: list[dict]) -> dict:

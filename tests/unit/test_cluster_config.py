@@ -190,3 +190,24 @@ def test_fsd_up_passes_the_cluster_file_and_metrics_port(tmp_path: Path) -> None
     p.write_text('[data]\nsource = "/d"\n[data.cluster]\nnode = 0\n')
     with pytest.raises(FsdError, match="path of a cluster file"):
         config.load(p)
+
+
+def test_tls_files_all_three_or_none(tmp_path: Path, secret: Path) -> None:
+    head = f'node = 0\nnodes = ["127.0.0.1:7070", "127.0.0.1:7071"]\nsecret_file = "{secret.name}"\n'
+    assert load_cluster(_write(tmp_path, head)).tls is None
+    pem = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"
+    for name in ("node.pem", "ca.pem", "node.key"):
+        (tmp_path / name).write_text(pem)
+    (tmp_path / "node.key").chmod(0o600)
+    full = head + 'tls_cert = "node.pem"\ntls_key = "node.key"\ntls_ca = "ca.pem"\n'
+    tls = load_cluster(_write(tmp_path, full)).tls
+    assert tls is not None and tls.cert == tls.ca == tls.key == pem.encode() and "key=" not in repr(tls)
+    two = head + 'tls_cert = "node.pem"\ntls_key = "node.key"\n'
+    assert "missing ['tls_ca']" in _err(load_cluster, _write(tmp_path, two))
+    (tmp_path / "node.key").chmod(0o644)
+    assert "chmod 600" in _err(load_cluster, _write(tmp_path, full))
+    (tmp_path / "node.key").chmod(0o600)
+    (tmp_path / "ca.pem").write_text("not a certificate")
+    assert "no PEM block" in _err(load_cluster, _write(tmp_path, full))
+    (tmp_path / "ca.pem").unlink()
+    assert "does not exist" in _err(load_cluster, _write(tmp_path, full))

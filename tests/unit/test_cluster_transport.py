@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import logging
+import time
 import socket
 import subprocess
 import threading
@@ -20,7 +21,9 @@ from fsd.cluster import peer_pb2, peer_pb2_grpc
 from fsd.cluster import stats as st
 from fsd.cluster.compat import FsdError
 from fsd.cluster.config import parse_cluster
-from fsd.cluster.transport import AUTH_KEY, BREAKER_FAILS, ClusterNode, PeerClient, PeerServer, auth_token
+from fsd.cluster import auth
+from fsd.cluster.config import TlsFiles
+from fsd.cluster.transport import BREAKER_FAILS, ClusterNode, PeerClient, PeerServer, checksum
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = b"s3cret-for-tests-only"
@@ -80,8 +83,13 @@ def test_unauthenticated_refused_logged_counted(server: PeerServer, caplog: pyte
     ch = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     stub = peer_pb2_grpc.PeerStub(ch)
     req = peer_pb2.FetchRequest(fingerprint=FP, node=1, ids=[0, 1])
+    body = req.SerializeToString(deterministic=True)
+    key = auth.derive_key(SECRET)
+    other = req.__class__(fingerprint=FP, node=1, ids=[0, 1, 2]).SerializeToString(deterministic=True)
     with caplog.at_level(logging.WARNING, logger="fsd.cluster.transport"):
-        for md in ((), ((AUTH_KEY, "nope"),), ((AUTH_KEY, auth_token(b"other")),), ((AUTH_KEY, SECRET.decode()),)):
+        for md in ((), ((auth.MAC_KEY, "nope"),), auth.sign(auth.derive_key(b"other"), "Fetch", body),
+                   auth.sign(key, "Hello", body), auth.sign(key, "Fetch", other),  # another method, another body
+                   auth.sign(key, "Fetch", body, now=time.time() - 3600)):  # an old one
             with pytest.raises(grpc.RpcError) as ei:
                 list(stub.Fetch(req, metadata=md, timeout=10))
             assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -89,9 +97,9 @@ def test_unauthenticated_refused_logged_counted(server: PeerServer, caplog: pyte
             stub.Hello(peer_pb2.HelloRequest(fingerprint=FP), timeout=10)
         assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
     ch.close()
-    assert server.stats.snapshot()["unauthenticated"] == 5
+    assert server.stats.snapshot()["unauthenticated"] == 7
     assert server.peer_stats[1].served_samples == 0
-    assert any("unauthenticated" in r.getMessage() for r in caplog.records)
+    assert any("bad request signature" in r.getMessage() for r in caplog.records)
     # a client with the wrong secret falls back and says why
     c = _client(server.port, secret=b"wrong")
     try:
@@ -136,15 +144,20 @@ def test_only_dataset_ids(tmp_path: Path) -> None:
     s.start()
     ch = grpc.insecure_channel(f"127.0.0.1:{s.port}")
     stub = peer_pb2_grpc.PeerStub(ch)
-    md = ((AUTH_KEY, auth_token(SECRET)),)
+    key = auth.derive_key(SECRET)
+
+    def fetch(ids: list[int]) -> list[int]:
+        req = peer_pb2.FetchRequest(fingerprint=FP, ids=ids)
+        md = auth.sign(key, "Fetch", req.SerializeToString(deterministic=True))
+        return [m.id for m in stub.Fetch(req, metadata=md, timeout=10)]
+
     try:
         for ids in ([0, 10], [2**64 - 1], list(range(6))):
             with pytest.raises(grpc.RpcError) as ei:
-                list(stub.Fetch(peer_pb2.FetchRequest(fingerprint=FP, ids=ids), metadata=md, timeout=10))
+                fetch(ids)
             assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert asked == [] and s.stats.snapshot()["bad_requests"] == 3
-        assert [m.id for m in stub.Fetch(peer_pb2.FetchRequest(fingerprint=FP, ids=[9, 0]), metadata=md,
-                                         timeout=10)] == [9, 0]
+        assert fetch([9, 0]) == [9, 0]
     finally:
         ch.close()
         s.stop(0)
@@ -305,3 +318,82 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
     subprocess.run([str(REPO / "tools/gen-proto"), str(tmp_path)], check=True, capture_output=True)
     for name in ("peer_pb2.py", "peer_pb2.pyi", "peer_pb2_grpc.py"):
         assert filecmp.cmp(tmp_path / "fsd/cluster" / name, REPO / "fsd/cluster" / name, shallow=False), name
+
+
+def test_a_replayed_request_is_refused_and_counted(server: PeerServer) -> None:
+    """A request captured on the wire and played again, even at once, is refused: its nonce was seen."""
+    ch = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = peer_pb2_grpc.PeerStub(ch)
+    req = peer_pb2.FetchRequest(fingerprint=FP, node=1, ids=[0, 1])
+    md = auth.sign(auth.derive_key(SECRET), "Fetch", req.SerializeToString(deterministic=True))
+    try:
+        assert [m.id for m in stub.Fetch(req, metadata=md, timeout=10)] == [0, 1]
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Fetch(req, metadata=md, timeout=10))
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED and "replayed" in (ei.value.details() or "")
+    finally:
+        ch.close()
+    snap = server.stats.snapshot()
+    assert snap["replays"] == 1 and snap["unauthenticated"] == 1
+
+
+def test_a_sample_that_fails_its_checksum_falls_back() -> None:
+    """The owner's checksum (computed when it read the PFS) travels with the sample: a sample whose
+    bytes changed since is not used (the caller reads the PFS) and is counted."""
+    good = b"the PFS's bytes"
+
+    def serve(fid: int) -> tuple[bytes, int]:
+        return (good, checksum(good)) if fid == 0 else (b"bytes that changed", checksum(good))
+
+    s = PeerServer("127.0.0.1:0", SECRET, 0, n_files=5, serve=serve, fingerprint=FP)
+    s.start()
+    c = _client(s.port)
+    try:
+        assert dict(c.fetch([0, 1])) == {0: good, 1: None}
+        assert c.stats.bad_samples == 1 and c.stats.fallbacks == 0 and c.stats.state == st.UP
+    finally:
+        c.close()
+        s.stop(0)
+
+
+def _ca(d: Path, name: str) -> tuple[Path, Path]:
+    """A CA's certificate and key (openssl)."""
+    key, cert = d / f"{name}.key", d / f"{name}.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", key, "-out", cert, "-days", "2", "-subj", f"/CN={name}"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def _node_cert(d: Path, name: str, ca: tuple[Path, Path]) -> TlsFiles:
+    """A node certificate for 127.0.0.1 signed by *ca*, as the cluster file's TLS files."""
+    key, csr, cert = d / f"{name}.key", d / f"{name}.csr", d / f"{name}.pem"
+    ext = d / f"{name}.ext"
+    ext.write_text("subjectAltName = IP:127.0.0.1\n")
+    subprocess.run(["openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", key, "-out", csr, "-subj", f"/CN={name}"], check=True, capture_output=True)
+    subprocess.run(["openssl", "x509", "-req", "-in", csr, "-CA", ca[0], "-CAkey", ca[1], "-CAcreateserial",
+                    "-out", cert, "-days", "2", "-extfile", ext], check=True, capture_output=True)
+    return TlsFiles(cert=cert.read_bytes(), key=key.read_bytes(), ca=ca[0].read_bytes())
+
+
+def test_mutual_tls_serves_the_cluster_and_refuses_other_certificates(tmp_path: Path) -> None:
+    ca = _ca(tmp_path, "ca")
+    server_tls, client_tls = _node_cert(tmp_path, "n0", ca), _node_cert(tmp_path, "n1", ca)
+    stranger = _node_cert(tmp_path, "x", _ca(tmp_path, "other-ca"))
+    s = PeerServer("127.0.0.1:0", SECRET, 0, n_files=5, serve=lambda i: b"data %d" % i, fingerprint=FP,
+                   tls=server_tls)
+    s.start()
+    clients = [_client(s.port, tls=client_tls, connect_timeout=2, fetch_timeout=5),
+               _client(s.port, connect_timeout=2, fetch_timeout=5),  # no TLS
+               _client(s.port, tls=TlsFiles(cert=stranger.cert, key=stranger.key, ca=server_tls.ca),
+                       connect_timeout=2, fetch_timeout=5)]  # a certificate of another CA
+    try:
+        ok, plain, other = clients
+        assert dict(ok.fetch([1, 2])) == {1: b"data 1", 2: b"data 2"} and ok.stats.state == st.UP
+        for c in (plain, other):
+            assert dict(c.fetch([1])) == {1: None} and c.stats.state != st.UP
+    finally:
+        for c in clients:
+            c.close()
+        s.stop(0)
