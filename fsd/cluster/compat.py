@@ -9,7 +9,7 @@ from fsd.sizes import parse_size as _parse_size
 from fsd.errors import FsdError
 from fsd.plan.document import PlanError
 from fsd.plan.job import JobPlan
-from fsd.plan.job_stream import Built, JobListing, world_reads
+from fsd.plan.job_stream import Built, JobListing, job_demand
 from fsd.threads import start_thread
 
 
@@ -27,4 +27,4 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"not a size: {text!r} (use e.g. 512M, 16G)") from None
 
 
-__all__ = ["Built", "FsdError", "JobListing", "JobPlan", "PlanError", "parse_size", "start_thread", "world_reads"]
+__all__ = ["Built", "FsdError", "JobListing", "JobPlan", "PlanError", "job_demand", "parse_size", "start_thread"]

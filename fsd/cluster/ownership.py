@@ -1,29 +1,29 @@
 """Cooperative placement: the owner node of every file, computed identically on every node.
 
-Every node derives the same assignment from the same inputs - the global plan, the
-node -> ranks layout, the dataset listing (names and sizes, in file-id order) and
-every node's tier capacity - with no run-time traffic:
+Every node derives the same assignment from the same inputs - the job's plan (its per-file
+demand: :func:`fsd.plan.job_stream.job_demand`), the dataset listing (names and sizes, in file-id
+order) and every node's tier capacity - with no run-time traffic, in O(files) memory and
+O(files log files) time whatever the number of nodes (no per-node matrix):
 
-1. **What the cluster caches.** Files are ranked by how often the whole job reads them
-   over the remaining plan (most first; ties: the smaller file first, so that as many
-   distinct files as possible fit; then a fixed integer hash of the id, then the id).
-   The longest prefix of that ranking whose bytes fit the nodes' capacities together is
-   the *cached* set (a file larger than every node's capacity is never in it).
-2. **Who owns a cached file.** Its preferred owner is the node that reads it most (ties:
-   a per-file rotation of the node indices, from the same hash, so that ties spread
-   evenly instead of piling onto node 0). Each node takes its preferred files in ranking
-   order up to its share of the cached bytes (shares proportional to capacity, never
-   above it: ownership is balanced by bytes); the files left over try their next-most
-   reader, and what is still left is laid, in ranking order, into the nodes' remaining
-   shares (water filling). A file that fits nowhere drops out of the cached set.
-3. **Who owns the rest.** Every file not cached (also files nobody reads) still has one
-   owner - the only node that reads it from the PFS and serves it to the others from
-   its staging - chosen the same way, by most reads, with equal shares of those bytes.
+1. **What the cluster caches.** Files are ranked by how often the whole job reads them over the
+   remaining plan (most first; ties: the smaller file first, so that as many distinct files as
+   possible fit; then a fixed integer hash of the id, then the id). The longest prefix of that
+   ranking whose bytes fit the nodes' capacities together is the *cached* set (a file larger than
+   every node's capacity is never in it).
+2. **Who owns a cached file.** Its preferred owners are the nodes its hash meets going round a
+   ring of points (:class:`Ring`: ``VNODES`` points per node, in proportion to its capacity), so
+   that a node that leaves moves only the files that preferred it. Each node takes its preferred
+   files in ranking order up to its share of the cached bytes (shares proportional to capacity,
+   never above it: ownership is balanced by bytes); the files left over try the next nodes on the
+   ring, and what is still left is laid, in ranking order, into the nodes' remaining shares (water
+   filling). A file that fits nowhere drops out of the cached set.
+3. **Who owns the rest.** Every file not cached (also files nobody reads) still has one owner -
+   the only node that reads it from the PFS and serves it to the others from its staging - chosen
+   the same way on a ring of equal weights, with equal shares of those bytes.
 
 All arithmetic is on integers (no float rounding), sorts are stable with total keys, and
-nothing depends on the computing node, dict order or ``PYTHONHASHSEED``.
-Cost: one pass over the ``(nodes, files)`` count matrix per node plus one lexsort
-(see ``tools/bench-ownership`` for the figures at 1.3 M files x 64 nodes).
+nothing depends on the computing node, dict order or ``PYTHONHASHSEED``. Cost: see
+``tools/bench-ownership`` (1000 nodes x 14.2 M files).
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .compat import JobListing, JobPlan, world_reads
-from .config import ClusterConfigError, node_of_rank
+from .compat import JobListing, JobPlan, job_demand
 
 log = logging.getLogger(__name__)
 
@@ -78,45 +77,6 @@ class Ownership:
                  "cached_bytes": int(cbytes[k])} for k in range(self.nodes)]
 
 
-# --------------------------------------------------------------------------- inputs from the plan
-
-
-def node_read_counts(job: JobPlan, listing: JobListing, node_ranks: Sequence[Sequence[int]],
-                     indices: Mapping[str, Sequence[np.ndarray]] | None = None) -> np.ndarray:
-    """How often each node reads each file over the job's remaining epochs: ``(nodes, files)``.
-
-    From the job's global reads (:func:`world_reads`: every rank of every loader, train and
-    validation alike); a node counts the reads of its ranks. uint16 while the counts surely fit,
-    else uint32: 2 bytes x nodes x files (166 MB at 64 x 1.3 M).
-    """
-    n_nodes, n_files = len(node_ranks), len(listing.paths)
-    rank_node = np.asarray(node_of_rank(node_ranks, job.num_replicas), dtype=np.int64)
-    if (rank_node < 0).any():
-        raise ClusterConfigError("node_ranks leaves some ranks of the plan on no node")
-    counts = np.zeros((n_nodes, n_files), dtype=np.uint16)
-    bound = 0  # the most any count can be so far
-    for w in world_reads(job, listing, indices):
-        per_node = np.bincount(rank_node[w.ranks], minlength=n_nodes)
-        if w.files.shape[0] == 1:  # one row that every rank reads
-            once = np.bincount(w.files[0], minlength=n_files)
-            bound += int(per_node.max()) * int(once.max(initial=0))
-        else:  # one row per rank; an entry that is no repeat is the epoch's only read of its sample
-            pad = int(w.repeats.sum()) if w.repeats is not None else 0
-            bound += 1 + -(-pad // max(1, w.files.size - pad))
-        if bound > np.iinfo(counts.dtype).max:
-            counts = counts.astype(np.uint32)
-        if w.files.shape[0] == 1:
-            for k in np.flatnonzero(per_node):
-                counts[k] += (once * int(per_node[k])).astype(counts.dtype)
-            continue
-        nodes = np.broadcast_to(rank_node[w.ranks][:, None], w.files.shape)
-        first = ~w.repeats if w.repeats is not None else np.ones(w.files.shape, dtype=bool)
-        counts[nodes[first], w.files[first]] += 1  # a permutation: no (node, file) pair twice
-        if not first.all():
-            np.add.at(counts, (nodes[~first], w.files[~first]), 1)
-    return counts
-
-
 # --------------------------------------------------------------------------- the assignment
 
 
@@ -143,45 +103,64 @@ def _shares(total: int, weights: Sequence[int]) -> np.ndarray:
     return np.array(base, dtype=np.int64)
 
 
-def _top_reader(counts: np.ndarray, rot: np.ndarray) -> np.ndarray:
-    """Per file: the node reading it most (ties: smallest rotation rank), -1 if nobody reads it.
-
-    One pass per node over a contiguous row of *counts*."""
-    n_nodes, n = counts.shape
-    best = np.full(n, -1, dtype=np.int64)
-    best_c = np.zeros(n, dtype=counts.dtype)
-    best_r = np.full(n, n_nodes, dtype=np.int64)
-    r = rot.copy()
-    for k in range(n_nodes):
-        c = counts[k]
-        better = (c > best_c) | ((c == best_c) & (c > 0) & (r < best_r))
-        best[better] = k
-        best_c[better] = c[better]
-        best_r[better] = r[better]
-        r += 1
-        r[r == n_nodes] = 0
-    return best
-
-
+VNODES = 64
+"""Ring points of a node of mean capacity: more evens out the first choices (about 1/sqrt(VNODES) apart)
+and costs O(nodes x VNODES) memory and one binary search per file over them."""
 PREF_DEPTH = 8
-"""Preferences tried per file after its first choice is full (deeper goes to water filling)."""
-PREF_CHUNK = 1 << 16
+"""Nodes tried per file after its first choice is full (deeper goes to water filling)."""
 
 
-def _preferences(counts: np.ndarray, files: np.ndarray, rot: np.ndarray) -> np.ndarray:
-    """``(len(files), min(nodes, PREF_DEPTH))``: nodes in preference order per file, -1 where the
-    node reads nothing. Chunked so that the temporary stays ``PREF_CHUNK x nodes``."""
-    n_nodes = counts.shape[0]
-    depth = min(n_nodes, PREF_DEPTH)
-    out = np.full((len(files), depth), -1, dtype=np.int64)
-    for a in range(0, len(files), PREF_CHUNK):
-        f = files[a:a + PREF_CHUNK]
-        c = counts[:, f].T.astype(np.int64)
-        r = (rot[a:a + PREF_CHUNK, None] + np.arange(n_nodes)[None, :]) % n_nodes
-        key = c * n_nodes + (n_nodes - 1 - r)  # unique per row: count first, rotation breaks ties
-        order = np.argsort(-key, axis=1, kind="stable")[:, :depth]
-        out[a:a + PREF_CHUNK] = np.where(np.take_along_axis(c, order, axis=1) > 0, order, -1)
-    return out
+class Ring:
+    """Points on a ring of 64-bit hashes, each naming a node; a file's preferred nodes are those its hash
+    meets going round it. Nodes with more *weights* get more points; a node of weight 0 gets none. A node
+    not *live* keeps none of its points, and the others keep theirs: only its files move."""
+
+    def __init__(self, weights: Sequence[int], live: Sequence[bool] | None = None) -> None:
+        w = np.array([int(x) for x in weights], dtype=np.int64)
+        if not (w > 0).any():
+            w = np.ones(len(w), dtype=np.int64)
+        k = len(w)
+        per = np.where(w > 0, np.maximum(1, (VNODES * k * w) // int(w.sum())), 0)
+        if live is not None:
+            alive = np.array([bool(x) for x in live], dtype=bool)
+            if alive.any() and (per[alive] > 0).any():
+                per = np.where(alive, per, 0)
+        node = np.repeat(np.arange(k, dtype=np.int64), per)
+        j = np.concatenate([np.arange(n, dtype=np.int64) for n in per]) if k else np.zeros(0, np.int64)
+        pts = _mix((node << np.int64(32)) + j + np.int64(1 << 62))  # apart from the files' hash inputs
+        order = np.argsort(pts, kind="stable")
+        self.points = pts[order]
+        self.node = node[order]
+        self.nodes = k
+
+    def first(self, h: np.ndarray) -> np.ndarray:
+        """The first node each hash meets (int64)."""
+        return self.node[self._at(h)]
+
+    def _at(self, h: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.points, h, side="left") % len(self.points)
+
+    def preferences(self, h: np.ndarray, depth: int) -> np.ndarray:
+        """``(len(h), min(depth, nodes))``: the distinct nodes each hash meets, in order; -1 past the
+        ring's distinct nodes. A few steps of vectorised walking per column."""
+        depth = min(depth, int((np.bincount(self.node, minlength=self.nodes) > 0).sum()))
+        out = np.full((len(h), depth), -1, dtype=np.int64)
+        if not len(h) or not depth:
+            return out
+        at = self._at(h)
+        out[:, 0] = self.node[at]
+        have = np.ones(len(h), dtype=np.int64)
+        for _ in range(depth * 8 * max(1, len(self.points) // max(1, self.nodes))):
+            todo = np.flatnonzero(have < depth)
+            if not len(todo):
+                break
+            at[todo] = (at[todo] + 1) % len(self.points)
+            cand = self.node[at[todo]]
+            new = ~(out[todo] == cand[:, None]).any(axis=1)
+            rows = todo[new]
+            out[rows, have[rows]] = cand[new]
+            have[rows] += 1
+        return out
 
 
 def _take_preferred(files: np.ndarray, node: np.ndarray, sizes: np.ndarray, room: np.ndarray) -> np.ndarray:
@@ -243,21 +222,21 @@ def _water_fill(files: np.ndarray, sizes: np.ndarray, room: np.ndarray, strict: 
     return out
 
 
-def _assign(files: np.ndarray, counts: np.ndarray, sizes: np.ndarray, rot: np.ndarray, top: np.ndarray,
-            share: np.ndarray, limit: np.ndarray | None) -> np.ndarray:
-    """Owners of *files* (ranking order): preferred readers within *share*, then water filling.
+def _assign(files: np.ndarray, h: np.ndarray, sizes: np.ndarray, ring: Ring, share: np.ndarray,
+            limit: np.ndarray | None) -> np.ndarray:
+    """Owners of *files* (ranking order): their ring nodes within *share*, then water filling.
 
     *limit* (hard capacity, >= share) bounds the strict fill; None means ownership without
     a capacity (uncached files): every file gets an owner. Returns -1 for files that fit nowhere.
     """
     owner = np.full(len(files), -1, dtype=np.int64)
     room = share.copy()
-    first = top[files]
+    first = ring.first(h[files])
     taken = _take_preferred(files, first, sizes, room)
     owner[taken] = first[taken]
-    left = np.flatnonzero(~taken & (first >= 0))
+    left = np.flatnonzero(~taken)
     if len(left):
-        prefs = _preferences(counts, files[left], rot[files[left]])
+        prefs = ring.preferences(h[files[left]], PREF_DEPTH)
         for j in range(1, prefs.shape[1]):
             node = np.where(owner[left] < 0, prefs[:, j], -1)
             if not (node >= 0).any():
@@ -302,18 +281,18 @@ def _promote(owner: np.ndarray, ranked: np.ndarray, placed: np.ndarray, sizes: n
         pos = np.flatnonzero(placed)
 
 
-def compute_ownership(sizes: np.ndarray, counts: np.ndarray, capacities: Sequence[int]) -> Ownership:
+def compute_ownership(sizes: np.ndarray, demand: np.ndarray, capacities: Sequence[int]) -> Ownership:
     """The owner map (see the module docstring).
 
-    *sizes*: bytes per file id; *counts*: ``(nodes, files)`` reads per node and file over
-    the remaining plan (:func:`node_read_counts`); *capacities*: tier bytes per node.
+    *sizes*: bytes per file id; *demand*: reads per file id over the remaining plan
+    (:func:`fsd.plan.job_stream.job_demand`); *capacities*: tier bytes per node.
     """
     sz = np.asarray(sizes, dtype=np.int64)
     n = len(sz)
-    counts = np.asarray(counts)
+    demand = np.asarray(demand)
     n_nodes = len(capacities)
-    if counts.shape != (n_nodes, n):
-        raise ValueError(f"counts must have shape (nodes={n_nodes}, files={n}), got {counts.shape}")
+    if demand.shape != (n,):
+        raise ValueError(f"demand must have one entry per file ({n}), got shape {demand.shape}")
     if n_nodes < 1:
         raise ValueError("at least one node")
     if (sz < 0).any():
@@ -323,19 +302,16 @@ def compute_ownership(sizes: np.ndarray, counts: np.ndarray, capacities: Sequenc
         raise ValueError("negative capacity")
     ids = np.arange(n, dtype=np.int64)
     h = _mix(ids)
-    rot = (h % np.uint64(n_nodes)).astype(np.int64)
-    total = counts.sum(axis=0, dtype=np.int64)
-    top = _top_reader(counts, rot)
     # rank: most read first, then smaller, then the hash, then the id (lexsort: last key is primary)
-    rank = np.lexsort((ids, h, sz, -total))
-    read = total[rank] > 0
+    rank = np.lexsort((ids, h, sz, -demand.astype(np.int64)))
+    read = demand[rank] > 0
     fits_somewhere = sz[rank] <= (cap.max() if n_nodes else 0)
     cand = rank[read & fits_somewhere]
     cut = int(np.searchsorted(np.cumsum(sz[cand]), int(cap.sum()), side="right"))
     cached_files = cand[:cut]
     owner = np.full(n, -1, dtype=np.int64)
     share = np.minimum(_shares(int(sz[cached_files].sum()), cap), cap)
-    owner[cached_files] = _assign(cached_files, counts, sz, rot, top, share, limit=cap)
+    owner[cached_files] = _assign(cached_files, h, sz, Ring(cap), share, limit=cap)
     placed = owner[cached_files] >= 0
     if not placed.all():
         _promote(owner, cached_files, placed, sz)
@@ -343,7 +319,7 @@ def compute_ownership(sizes: np.ndarray, counts: np.ndarray, capacities: Sequenc
     cached[cached_files[placed]] = True
     rest = rank[owner[rank] < 0]  # ranking order
     share = _shares(int(sz[rest].sum()), [1] * n_nodes)
-    owner[rest] = _assign(rest, counts, sz, rot, top, share, limit=None)
+    owner[rest] = _assign(rest, h, sz, Ring([1] * n_nodes), share, limit=None)
     assert (owner >= 0).all()
     return Ownership(owner=owner.astype(np.int32), cached=cached, nodes=n_nodes)
 
@@ -398,13 +374,13 @@ class ClusterPlan:
         return plan_fingerprint(self.job, self.node_ranks, self.listing.paths, self.sizes, self.capacities,
                                 self.indices)
 
-    def counts(self) -> np.ndarray:
-        """See :func:`node_read_counts`."""
-        return node_read_counts(self.job, self.listing, self.node_ranks, self.indices)
+    def demand(self) -> np.ndarray:
+        """See :func:`fsd.plan.job_stream.job_demand`."""
+        return job_demand(self.job, self.listing, self.indices)
 
     def ownership(self) -> Ownership:
         """See :func:`compute_ownership`."""
-        return compute_ownership(self.sizes, self.counts(), self.capacities)
+        return compute_ownership(self.sizes, self.demand(), self.capacities)
 
 
-__all__ = ["ClusterPlan", "Ownership", "compute_ownership", "node_read_counts", "plan_fingerprint"]
+__all__ = ["ClusterPlan", "Ownership", "Ring", "compute_ownership", "plan_fingerprint"]

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -230,44 +230,49 @@ def job_stream(job: JobPlan, listing: JobListing, *, indices: Mapping[str, Seque
     return stream
 
 
-@dataclass(frozen=True)
-class WorldRead:
-    """What the whole job (every rank of the world, not only the node's) reads of one loader in one epoch."""
+def job_demand(job: JobPlan, listing: JobListing, indices: Mapping[str, Sequence[np.ndarray]] | None = None
+               ) -> np.ndarray:
+    """Reads of each file by the whole job (every rank of the world, every loader) over its remaining
+    epochs, from the plan's shape alone: O(files), no permutation drawn (what a cluster of a thousand
+    nodes can afford on each). A ``distributed`` loader reads each of its samples once an epoch (torch's
+    padding and ``drop_last`` change a few of them: counted where the loader does not shuffle, else
+    not); any other loader is read whole by
+    every rank, so a node's plan must give it all the node's ranks or none (PlanError otherwise: who
+    reads it on the other nodes is unknown). uint32 per file id."""
+    _check_world_loaders(job)
+    demand = np.zeros(len(listing.paths), dtype=np.uint32)
+    epochs = job.remaining_epochs
+    for ld in job.loaders:
+        runs = [e for e in epochs if ld.runs_in(e)]
+        if not ld.ranks or not runs:
+            continue
+        start, count = sample_space(job, ld, listing.samples(ld.name))
+        readers = 1 if ld.sampler == "distributed" else job.num_replicas
+        if ld.sampler == "indices":
+            rows = (indices or {}).get(ld.name)
+            if rows is None:
+                raise PlanError(f"plan: loader '{ld.name}': its indices file is not loaded")
+            per = np.bincount(np.concatenate([np.asarray(rows[e], dtype=np.int64) for e in runs]), minlength=count)
+            fids = listing.file_ids(ld.name, np.arange(start, start + count))
+            np.add.at(demand, fids, (per[:count] * readers).astype(np.uint32))
+        else:
+            per = np.full(count, len(runs) * readers, dtype=np.uint32)
+            if ld.sampler == "distributed" and not ld.shuffle:  # which samples drop or repeat is known
+                used = distributed_sizes(count, job.num_replicas, ld.drop_last)[0] * job.num_replicas
+                if used < count:
+                    per[used:] = 0
+                else:
+                    per[: used - count] += np.uint32(len(runs))
+            fids = listing.file_ids(ld.name, np.arange(start, start + count))
+            np.add.at(demand, fids, per)
+    return demand
 
-    files: np.ndarray  # file ids, one row per rank of *ranks*, or one row that each of them reads
-    ranks: np.ndarray  # the ranks that read them
-    repeats: np.ndarray | None  # per entry of *files*: it repeats an earlier sample of the epoch (padding)
 
-
-def world_reads(job: JobPlan, listing: JobListing, indices: Mapping[str, Sequence[np.ndarray]] | None = None
-                ) -> Iterator[WorldRead]:
-    """Every rank's reads over the job's remaining epochs, loader by loader (what a cluster places by).
-
-    A ``distributed`` loader splits each epoch over the world's ranks; any other loader is read whole by
-    every rank of the job, so a node's plan must give it all the node's ranks or none (PlanError:
-    the other nodes' readers of a loader that only some ranks read are unknown)."""
-    indices = indices or {}
-    world = np.arange(job.num_replicas, dtype=np.int64)
+def _check_world_loaders(job: JobPlan) -> None:
     for ld in job.loaders:
         if ld.sampler != "distributed" and set(ld.ranks) != set(job.ranks):
             raise PlanError(f"plan: loader '{ld.name}' is read by ranks {sorted(ld.ranks)} of this node's "
                             f"{sorted(job.ranks)}: the ranks of other nodes that read it are unknown")
-    randoms = {ld.name: _random_stream(ld, sample_space(job, ld, listing.samples(ld.name))[1])
-               for ld in job.loaders if ld.sampler == "random" and ld.ranks}
-    for e in job.remaining_epochs:
-        for ld in job.loaders:
-            if not ld.runs_in(e) or not ld.ranks:
-                continue
-            n = listing.samples(ld.name)
-            if ld.sampler == "distributed":
-                idx = loader_epoch(job, replace(ld, ranks=tuple(range(job.num_replicas))), n, e)
-                count = sample_space(job, ld, n)[1]
-                pos = world[:, None] + np.arange(idx.shape[1], dtype=np.int64)[None, :] * job.num_replicas
-                yield WorldRead(listing.file_ids(ld.name, idx), world, pos >= count)
-            else:
-                idx = loader_epoch(job, replace(ld, ranks=(0,)), n, e, indices=indices.get(ld.name),
-                                   random=randoms.get(ld.name))
-                yield WorldRead(listing.file_ids(ld.name, idx), world, None)
 
 
 PARALLEL_PERM_BYTES = 256 << 20
@@ -336,6 +341,6 @@ def build_node_stream(plan: Plan, n_files: int, *, indices: Sequence[np.ndarray]
     return job_stream(job, listing, indices=rows, threads=threads)
 
 
-__all__ = ["SPLIT_NAMES", "Built", "JobListing", "Lister", "WorldRead", "build_node_stream", "build_plan",
+__all__ = ["SPLIT_NAMES", "Built", "JobListing", "Lister", "build_node_stream", "build_plan",
            "job_stream", "list_job", "load_job_indices", "loader_epoch", "root_lister", "sample_space",
-           "split_warning", "world_reads"]
+           "job_demand", "split_warning"]

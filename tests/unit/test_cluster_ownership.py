@@ -15,12 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fsd.cluster.config import resolve_node_ranks
-from fsd.cluster.ownership import ClusterPlan, compute_ownership, plan_fingerprint
-from fsd.cluster.ownership import node_read_counts as _node_read_counts
+from fsd.cluster.ownership import ClusterPlan, Ring, compute_ownership, plan_fingerprint
 from fsd.plan.document import Plan, PlanError
 from fsd.plan.job import from_single, parse_job
-from fsd.plan.job_stream import JobListing, job_stream
-from fsd.plan.sampler import distributed_epoch
+from fsd.plan.job_stream import JobListing, job_demand, job_stream
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,8 +28,8 @@ def _listing(names: object) -> JobListing:
     return JobListing(names, {"data": None}, [])  # type: ignore[arg-type]
 
 
-def node_read_counts(plan: Plan, n: int, layout: tuple) -> np.ndarray:
-    return _node_read_counts(from_single(plan), _listing(range(n)), layout)
+def demand(plan: Plan, n: int) -> np.ndarray:
+    return job_demand(from_single(plan), _listing(range(n)))
 
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -112,35 +110,24 @@ def test_same_map_in_processes_with_different_hash_seeds() -> None:
     assert a != _ownership_digest(12)  # and it does depend on the plan
 
 
-def test_counts_match_the_sampler() -> None:
-    layout = ((0, 3), (1, 2), (4,))
+def test_demand_of_a_distributed_plan_is_one_read_per_epoch() -> None:
     plan = Plan(epochs=4, sampler="distributed", seed=3, start_epoch=1, num_replicas=5, ranks=(0, 3))
-    n = 23  # not a multiple of 5: padding repeats files
-    counts = node_read_counts(plan, n, layout)
-    want = np.zeros((3, n), dtype=np.int64)
-    for e in range(1, 4):
-        idx = distributed_epoch(n, e, range(5), num_replicas=5, seed=3, shuffle=True, drop_last=False)
-        for node, ranks in enumerate(layout):
-            for r in ranks:
-                np.add.at(want[node], idx[r], 1)
-    assert np.array_equal(counts, want)
-    assert counts.sum() == 3 * 25
+    assert demand(plan, 23).tolist() == [3] * 23  # torch's padding (2 repeats an epoch) is not counted
 
 
-def test_a_loader_every_rank_reads_counts_on_every_node() -> None:
-    counts = node_read_counts(Plan(epochs=2, sampler="sequential"), 10, ((0,),))
-    assert counts.tolist() == [[2] * 10]
+def test_a_loader_every_rank_reads_counts_for_every_rank() -> None:
+    assert demand(Plan(epochs=2, sampler="sequential"), 10).tolist() == [2] * 10
     job = parse_job(json.dumps({"epochs": 1, "num_replicas": 4, "ranks": [0, 1], "loaders": [
-        {"sampler": "sequential", "ranks": [0]}]}).encode())
+        {"name": "train", "sampler": "distributed"}, {"sampler": "sequential", "ranks": [0]}]}).encode())
     with pytest.raises(PlanError, match="ranks of other nodes"):
-        _node_read_counts(job, _listing(range(5)), ((0, 1), (2, 3)))
+        job_demand(job, JobListing(range(5), {"train": None, "loader1": None}, []))  # type: ignore[arg-type]
 
 
-def test_a_whole_job_plan_counts_what_each_nodes_own_stream_reads(tmp_path: Path) -> None:
-    """Train, validation every other epoch and the leftover loader: each node's row of the global counts
-    is what that node's own plan (its own ranks) streams."""
+def test_the_demand_of_a_whole_job_is_what_all_nodes_streams_read() -> None:
+    """Train, validation every other epoch and the leftover loader: the demand is the sum of what every
+    node's own plan (its own ranks) streams, where torch pads nothing."""
     layout = resolve_node_ranks(6, 3)
-    n_train, n_val = 50, 13
+    n_train, n_val = 54, 15  # 54 = 9 x 6: no padding; val: 12 for the ranks, 3 left over
 
     def job(node: int) -> dict:
         ranks = list(layout[node])
@@ -150,30 +137,39 @@ def test_a_whole_job_plan_counts_what_each_nodes_own_stream_reads(tmp_path: Path
              "every": 2, "batch_size": 2},
             {"name": "rest", "leftover_of": "val", "ranks": ranks}]}
 
-    def listing() -> JobListing:
-        paths = [f"train/{i}" for i in range(n_train)] + [f"val/{i}" for i in range(n_val)]
-        ids = {"train": np.arange(n_train), "val": np.arange(n_train, n_train + n_val),
-               "rest": np.arange(n_train, n_train + n_val)}
-        return JobListing(paths, ids, [])  # type: ignore[arg-type]
+    paths = [f"train/{i}" for i in range(n_train)] + [f"val/{i}" for i in range(n_val)]
+    ids = {"train": np.arange(n_train), "val": np.arange(n_train, n_train + n_val),
+           "rest": np.arange(n_train, n_train + n_val)}
+    listing = JobListing(paths, ids, [])  # type: ignore[arg-type]
+    want = sum(np.bincount(job_stream(parse_job(json.dumps(job(k)).encode()), listing).file_ids,
+                           minlength=len(paths)) for k in range(3))
+    got = job_demand(parse_job(json.dumps(job(0)).encode()), listing)
+    assert np.array_equal(got, want)
+    assert got[:n_train].tolist() == [3] * n_train and got[-3:].tolist() == [12] * 3  # leftovers: 6 ranks, 2 runs
 
-    counts = _node_read_counts(parse_job(json.dumps(job(0)).encode()), listing(), layout)
-    for node in range(3):
-        own = job_stream(parse_job(json.dumps(job(node)).encode()), listing())
-        assert np.array_equal(counts[node], np.bincount(own.file_ids, minlength=n_train + n_val)), node
-    assert counts[:, n_train:].sum() > 0 and counts[:, :n_train].sum() == 3 * 54  # 50 padded to 54 a epoch
+
+def test_a_ring_prefers_nodes_by_weight_and_keeps_the_others_when_one_goes() -> None:
+    h = np.sort(np.random.default_rng(1).integers(0, 2**63, 200_000, dtype=np.int64)).astype(np.uint64)
+    ring = Ring([1, 1, 2, 0])
+    share = np.bincount(ring.first(h), minlength=4) / len(h)
+    assert share[3] == 0 and abs(share[2] - 0.5) < 0.08 and abs(share[0] - 0.25) < 0.06
+    prefs = ring.preferences(h[:1000], 8)
+    assert prefs.shape == (1000, 3) and (np.sort(prefs, axis=1) == [0, 1, 2]).all()  # every live node, once
+    fewer = Ring([1, 1, 2, 0], live=[True, False, True, True])  # node 1 is gone: only its files move
+    moved = ring.first(h) != fewer.first(h)
+    assert (ring.first(h)[moved] == 1).all()
 
 
 @SETTINGS
 @given(jobs())
 def test_capacity_and_most_used_first(job: dict) -> None:
     cp = _node_view(job, 0)
-    counts = cp.counts()
+    total = cp.demand().astype(np.int64)
     sz = np.array(job["sizes"], dtype=np.int64)
-    o = compute_ownership(sz, counts, job["caps"])
+    o = compute_ownership(sz, total, job["caps"])
     cap = np.array(job["caps"], dtype=np.int64)
     cached_bytes = np.bincount(o.owner[o.cached], weights=sz[o.cached], minlength=job["nodes"])
     assert (cached_bytes <= cap).all()
-    total = counts.sum(axis=0)
     assert not (o.cached & (total == 0)).any()  # nothing nobody reads takes space
     # most used first: an uncached file that ranks before a cached one must be larger than it
     # (rank: more reads, then smaller; a smaller, more-read file would have taken that slot)
@@ -192,22 +188,20 @@ def test_capacity_and_most_used_first(job: dict) -> None:
 def test_equal_sizes_fill_exactly(nodes: int, n: int, size: int, slots: list[int], seed: int) -> None:
     """Equal file sizes: exactly min(files read, sum of whole slots per node) files are cached."""
     rng = np.random.default_rng(seed)
-    counts = rng.integers(0, 4, size=(nodes, n)).astype(np.uint16)
+    reads = rng.integers(0, 4, size=n).astype(np.uint32)
     caps = [s * size + int(rng.integers(0, size)) for s in slots[:nodes]]
-    o = compute_ownership(np.full(n, size), counts, caps)
-    read = int((counts.sum(axis=0) > 0).sum())
+    o = compute_ownership(np.full(n, size), reads, caps)
+    read = int((reads > 0).sum())
     assert int(o.cached.sum()) == min(read, sum(slots[:nodes]))
 
 
-def test_balanced_and_preferring_the_top_reader() -> None:
+def test_balanced_by_bytes_within_capacity_and_stable_when_a_node_goes() -> None:
     n, nodes = 40_000, 8
-    layout = resolve_node_ranks(16, nodes)
-    plan = Plan(epochs=3, sampler="distributed", seed=1, num_replicas=16, ranks=layout[0])
     sizes = np.random.default_rng(2).integers(50_000, 150_000, n)
-    counts = node_read_counts(plan, n, layout)
+    reads = np.full(n, 3, dtype=np.uint32)
     for frac in (0.3, 1.5):  # dataset larger / smaller than the nodes' tiers together
         caps = [int(sizes.sum() * frac / nodes)] * nodes
-        o = compute_ownership(sizes, counts, caps)
+        o = compute_ownership(sizes, reads, caps)
         summ = o.summary(sizes)
         owned = np.array([s["bytes"] for s in summ])
         cached = np.array([s["cached_bytes"] for s in summ])
@@ -215,28 +209,21 @@ def test_balanced_and_preferring_the_top_reader() -> None:
         assert np.abs(owned - owned.mean()).max() <= 3 * sizes.max()
         if frac >= 1:
             assert o.cached.all()
+            # a node leaves (its capacity 0): the files of the others mostly stay where they are
+            gone = compute_ownership(sizes, reads, caps[:-1] + [0])
+            kept = o.owner != nodes - 1
+            assert (gone.owner[kept] == o.owner[kept]).mean() > 0.8
+            assert (gone.owner[gone.cached] != nodes - 1).all()
         else:
             assert cached.sum() >= nodes * caps[0] - 2 * nodes * sizes.max()
-        top = counts[o.owner, np.arange(n)] == counts.max(axis=0)
-        assert top.mean() > 0.95  # a node that reads a file most owns it, nearly always
-
-
-def test_single_reader_files_stay_with_their_reader() -> None:
-    """Unshuffled: each file is read by one node only; it owns all of them when they fit."""
-    layout = resolve_node_ranks(4, 4)
-    plan = Plan(epochs=2, sampler="distributed", shuffle=False, num_replicas=4, ranks=layout[0])
-    n = 1000
-    counts = node_read_counts(plan, n, layout)
-    o = compute_ownership(np.full(n, 10), counts, [10 * n] * 4)
-    assert np.array_equal(o.owner, np.arange(n) % 4)
 
 
 def test_too_big_and_zero_capacity() -> None:
-    counts = np.ones((2, 3), dtype=np.uint16)
-    o = compute_ownership(np.array([100, 5, 5]), counts, [50, 0])
+    reads = np.ones(3, dtype=np.uint32)
+    o = compute_ownership(np.array([100, 5, 5]), reads, [50, 0])
     assert o.cached.tolist() == [False, True, True]  # the 100-byte file fits no node
     assert set(o.owner[o.cached]) == {0}
-    o = compute_ownership(np.array([0, 0, 0]), counts, [0, 0])
+    o = compute_ownership(np.array([0, 0, 0]), reads, [0, 0])
     assert ((o.owner >= 0) & (o.owner < 2)).all()
 
 
