@@ -117,7 +117,8 @@ class KernelTier:
         self.ranks = RankKeys()
         self.pushes = 0
         self.file_pushes = 0  # of the pushes, those read from the SSD tier and stored in one call (store_file)
-        self.push_failures = 0
+        self.push_failures = 0  # the kernel refused a store of a file whose inode it knows
+        self.push_waits = 0  # pushes held until the kernel knows the file's inode (normal before the job lists)
         self.push_losses = 0
         self.repushes = 0
         self.push_skips = 0
@@ -473,13 +474,13 @@ class KernelTier:
 
     def _cannot_land(self, fid: int) -> bool:
         """A push of *fid* cannot land, the kernel not knowing its inode (a plan written before the job
-        listed the dataset): count it failed and let it wait for note_known/note_lookup. Checked and
+        listed the dataset): count it waiting and let it wait for note_known/note_lookup. Checked and
         marked under the guard those take, which they do after the inode table counted the kernel's
         lookup, so none is missed."""
         assert self.port is not None
         if self.port.known(self.inodes.inode(fid)):
             return False
-        self.push_failures += 1
+        self.push_waits += 1
         self.pending.add(fid)
         return True
 
@@ -569,7 +570,7 @@ class KernelTier:
         """The push counters of ``stats()["prefetch"]``."""
         w = self.window
         return {"push_lead_target": w.lead_target, "push_deferrals": w.deferrals, "pushes": self.pushes,
-                "file_pushes": self.file_pushes, "push_failures": self.push_failures,
+                "file_pushes": self.file_pushes, "push_failures": self.push_failures, "push_waits": self.push_waits,
                 "push_losses": self.push_losses, "repushes": self.repushes, "push_skips": self.push_skips,
                 "push_verified": self.push_verified, "page_cache_drops": self.page_cache_drops,
                 "beacon_every": w.beacon_every}
