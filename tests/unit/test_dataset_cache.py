@@ -730,7 +730,7 @@ def test_a_push_the_kernel_cannot_take_reads_nothing_and_goes_when_it_can(ds: Da
                         if f in cache.ssd and f not in cache.ram and f not in cache.staging.files]
 
         assert wait_for(lambda: len(on_ssd_and_waiting()) > 0)
-        assert cache.stats()["prefetch"]["push_failures"] > 0
+        assert cache.stats()["prefetch"]["push_waits"] > 0
         assert kernel.refused == 0 and reads == []  # nothing read for a push that cannot land
         f = on_ssd_and_waiting()[0]
         kernel.known.add(f)

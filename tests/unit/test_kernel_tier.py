@@ -106,7 +106,7 @@ def test_a_push_the_kernel_cannot_take_waits_for_the_inode(fx: Fixture) -> None:
     pos = 3
     f = fx.resident(pos)
     fx.kernel.push(f, pos, fx.ds.data[f])  # the kernel does not know the inode yet
-    assert fx.port.stores == [] and f in fx.kernel.pending and fx.kernel.push_failures == 1
+    assert fx.port.stores == [] and f in fx.kernel.pending and fx.kernel.push_waits == 1 and fx.kernel.push_failures == 0
     with fx.cache.guard:
         assert fx.kernel.task_for(f, pos, fx.cache.cursor.plan) is None  # no new attempt meanwhile
     fx.port.known_inodes.add(f + 1000)
