@@ -67,13 +67,15 @@ class Ranks:
         return self.out / f"{self.label}-rank{rank}.log"
 
     def start(self, rank: int, cmd: list[str], wrap: Wrap | None = None) -> None:
-        """Start *rank* (its own session, so its DataLoader workers can be killed with it)."""
+        """Start *rank* (its own session, so its DataLoader workers can be killed with it) with ``RANK`` in
+        its environment, as torchrun sets it (the fsd daemon attributes its reads by it)."""
         if self.launched is None:
             self.launched = now()
         lf = open(self.log_path(rank), "w")
         self._logs.append(lf)
         self.procs[rank] = subprocess.Popen(wrap(cmd) if wrap else cmd, stdout=lf, stderr=subprocess.STDOUT,
-                                            env=dict(os.environ, FSD_BENCH_NO_REEXEC="1"), start_new_session=True)
+                                            env=dict(os.environ, FSD_BENCH_NO_REEXEC="1", RANK=str(rank)),
+                                            start_new_session=True)
 
     def _failed(self, rcs: dict[int, int]) -> RuntimeError:
         r = min(rcs)
