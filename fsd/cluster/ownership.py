@@ -130,11 +130,11 @@ class Ring:
         pts = _mix((node << np.int64(32)) + j + np.int64(1 << 62))  # apart from the files' hash inputs
         order = np.argsort(pts, kind="stable")
         self.points = pts[order]
-        self.node = node[order]
+        self.node = node[order].astype(np.int32)  # 4 bytes a file wherever a node is picked per file
         self.nodes = k
 
     def first(self, h: np.ndarray) -> np.ndarray:
-        """The first node each hash meets (int64)."""
+        """The first node each hash meets (int32)."""
         return self.node[self._at(h)]
 
     def _at(self, h: np.ndarray) -> np.ndarray:
@@ -229,7 +229,7 @@ def _assign(files: np.ndarray, h: np.ndarray, sizes: np.ndarray, ring: Ring, sha
     *limit* (hard capacity, >= share) bounds the strict fill; None means ownership without
     a capacity (uncached files): every file gets an owner. Returns -1 for files that fit nowhere.
     """
-    owner = np.full(len(files), -1, dtype=np.int64)
+    owner = np.full(len(files), -1, dtype=np.int32)
     room = share.copy()
     first = ring.first(h[files])
     taken = _take_preferred(files, first, sizes, room)
@@ -300,16 +300,17 @@ def compute_ownership(sizes: np.ndarray, demand: np.ndarray, capacities: Sequenc
     cap = np.array([int(c) for c in capacities], dtype=np.int64)
     if (cap < 0).any():
         raise ValueError("negative capacity")
-    ids = np.arange(n, dtype=np.int64)
-    h = _mix(ids)
-    # rank: most read first, then smaller, then the hash, then the id (lexsort: last key is primary)
-    rank = np.lexsort((ids, h, sz, -demand.astype(np.int64)))
+    h = _mix(np.arange(n, dtype=np.int64))
+    # rank: most read first, then smaller, then the hash, then the id (lexsort is stable: equal keys keep
+    # id order; the last key is the primary one, here the demand's complement, unsigned like it)
+    least = demand.astype(np.uint32, copy=False)
+    rank = np.lexsort((h, sz, least.max(initial=0) - least))
     read = demand[rank] > 0
     fits_somewhere = sz[rank] <= (cap.max() if n_nodes else 0)
     cand = rank[read & fits_somewhere]
     cut = int(np.searchsorted(np.cumsum(sz[cand]), int(cap.sum()), side="right"))
     cached_files = cand[:cut]
-    owner = np.full(n, -1, dtype=np.int64)
+    owner = np.full(n, -1, dtype=np.int32)
     share = np.minimum(_shares(int(sz[cached_files].sum()), cap), cap)
     owner[cached_files] = _assign(cached_files, h, sz, Ring(cap), share, limit=cap)
     placed = owner[cached_files] >= 0
@@ -321,7 +322,7 @@ def compute_ownership(sizes: np.ndarray, demand: np.ndarray, capacities: Sequenc
     share = _shares(int(sz[rest].sum()), [1] * n_nodes)
     owner[rest] = _assign(rest, h, sz, Ring([1] * n_nodes), share, limit=None)
     assert (owner >= 0).all()
-    return Ownership(owner=owner.astype(np.int32), cached=cached, nodes=n_nodes)
+    return Ownership(owner=owner, cached=cached, nodes=n_nodes)
 
 
 # --------------------------------------------------------------------------- the fingerprint
