@@ -23,10 +23,9 @@ Everything here blocks: worker threads only, never the trio loop.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -49,6 +48,8 @@ RECENT_BYTES = 4 << 20
 store as well: it is memory beyond the node's tier budget, not a second cache)."""
 BATCH_THREADS = 2
 """Streaming calls in flight per owner."""
+BATCH_POOL_MAX = 32
+"""Threads that run the batch calls of all owners together (a thousand peers need no two thousand threads)."""
 AHEAD_FILES = 16
 """Most files asked for ahead of their fetch (look-ahead) and not taken yet ..."""
 AHEAD_BYTES = 4 << 20
@@ -181,24 +182,77 @@ class _Slot:
         self.data: bytes | None = None
 
 
-class _OwnerQueue:
-    """Gathers the fetch threads' requests for one owner into batches; ``BATCH_THREADS`` calls at once."""
+class _Batcher:
+    """The threads that run every owner's batch calls: a bounded pool (``threads``), whatever the number
+    of peers, with at most ``BATCH_THREADS`` calls to one owner at a time. An owner with requests waiting
+    and a call free is in ``ready``, once; a thread takes it, gathers its batch and calls it."""
 
-    def __init__(self, client: PeerClient, max_batch: int, grace_until: float) -> None:
+    def __init__(self, threads: int) -> None:
+        self.cv = threading.Condition()
+        self.ready: deque[_OwnerQueue] = deque()
+        self.closed = False
+        self.threads = [start_thread(self._run, name=f"fsd-peer-batch-{i}") for i in range(max(1, threads))]
+
+    def kick(self, oq: _OwnerQueue) -> None:
+        """*oq* may have a batch to run (caller holds ``cv``)."""
+        if oq.pending and oq.active < BATCH_THREADS and not oq.listed:
+            oq.listed = True
+            self.ready.append(oq)
+            self.cv.notify()
+
+    def close(self) -> None:
+        """Let the threads end once no owner is ready (a batch to a hung peer ends at its deadline)."""
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.ready and not self.closed:
+                    self.cv.wait()
+                if not self.ready:
+                    return
+                oq = self.ready.popleft()
+                oq.listed = False
+                batch = oq.take()
+                oq.active += 1
+                self.kick(oq)  # more waiting, and a call free: another thread may take it
+            try:
+                oq.run(batch)
+            finally:
+                with self.cv:
+                    oq.active -= 1
+                    self.kick(oq)
+
+
+class _OwnerQueue:
+    """One owner's requests from the fetch threads, gathered into batches that the :class:`_Batcher` runs."""
+
+    def __init__(self, client: PeerClient, max_batch: int, grace_until: float, batcher: _Batcher) -> None:
         self.client = client
         self.max_batch = max_batch
         self.grace_until = grace_until
-        self.q: queue.Queue[list[tuple[int, _Slot]] | None] = queue.Queue()
+        self.batcher = batcher
+        self.pending: deque[tuple[int, _Slot]] = deque()  # under batcher.cv
+        self.active = 0  # calls running now (under batcher.cv)
+        self.listed = False  # in batcher.ready (under batcher.cv)
+        self.closed = False
         self._hello_at = 0.0
         self._hello_lock = threading.Lock()
-        self.threads = [start_thread(self._run, name=f"fsd-peer-{client.node}-{i}") for i in range(BATCH_THREADS)]
 
     def submit(self, fids: Sequence[int]) -> list[_Slot]:
         """Ask for *fids* (in one batch where it fits); each slot's event is set when its bytes (or
         None: read the PFS) are there."""
         slots = [_Slot() for _ in fids]
         if slots:
-            self.q.put(list(zip(fids, slots)))
+            with self.batcher.cv:
+                if self.closed:
+                    for s in slots:
+                        s.event.set()
+                    return slots
+                self.pending.extend(zip(fids, slots))
+                self.batcher.kick(self)
         return slots
 
     def wait(self, slot: _Slot, wait_s: float) -> bytes | None:
@@ -209,10 +263,21 @@ class _OwnerQueue:
         return slot.data
 
     def close(self) -> None:
-        """Let the threads end after their batch (not waited for: a batch to a hung peer ends at its
-        deadline, or when the channel closes at unmount)."""
-        for _ in self.threads:
-            self.q.put(None)
+        """Answer what still waits with None (the PFS); running batches end at their deadline, or when
+        the channel closes at unmount."""
+        with self.batcher.cv:
+            self.closed = True
+            left, self.pending = list(self.pending), deque()
+        for _, s in left:
+            s.event.set()
+
+    def take(self) -> dict[int, list[_Slot]]:
+        """The next batch: up to ``max_batch`` distinct ids, in the order asked (caller holds ``batcher.cv``)."""
+        slots: dict[int, list[_Slot]] = {}
+        while self.pending and (len(slots) < self.max_batch or self.pending[0][0] in slots):
+            fid, slot = self.pending.popleft()
+            slots.setdefault(fid, []).append(slot)
+        return slots
 
     def _ready(self) -> bool:
         """Whether a call may go out now: not while the breaker is open, and a peer that is not
@@ -238,40 +303,22 @@ class _OwnerQueue:
                 return False
             time.sleep(HELLO_GRACE_EVERY_S)
 
-    def _run(self) -> None:
-        while True:
-            item = self.q.get()
-            if item is None:
-                return
-            slots: dict[int, list[_Slot]] = {}
-            stop = False
-            while item is not None:
-                for fid, slot in item:
-                    slots.setdefault(fid, []).append(slot)
-                if len(slots) >= self.max_batch:
-                    break
-                try:
-                    item = self.q.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-            try:
-                if self._ready():
-                    for fid, data in self.client.fetch(list(slots)):
-                        for s in slots.pop(fid, ()):
-                            s.data = data
-                            s.event.set()
-                else:
-                    self.client.stats.add(fallbacks=len(slots))
-            except Exception:
-                log.exception("cluster: fetch from node %d failed", self.client.node)
-            finally:
-                for ss in slots.values():
-                    for s in ss:
-                        s.event.set()  # data None: the PFS
-            if stop:
-                return
+    def run(self, slots: dict[int, list[_Slot]]) -> None:
+        """One batch call (a batcher thread, no lock held); every slot is answered, None: the PFS."""
+        try:
+            if slots and self._ready():
+                for fid, data in self.client.fetch(list(slots)):
+                    for s in slots.pop(fid, ()):
+                        s.data = data
+                        s.event.set()
+            elif slots:
+                self.client.stats.add(fallbacks=len(slots))
+        except Exception:
+            log.exception("cluster: fetch from node %d failed", self.client.node)
+        finally:
+            for ss in slots.values():
+                for s in ss:
+                    s.event.set()  # data None: the PFS
 
 
 class ClusterSource:
@@ -289,7 +336,8 @@ class ClusterSource:
         self.counters = counters
         self.wait_s = 2 * fetch_timeout + connect_timeout  # a batch before ours, then ours
         grace_until = time.monotonic() + fetch_timeout
-        self.queues = {k: _OwnerQueue(c, max_batch, grace_until) for k, c in peers.clients.items()}
+        self.batcher = _Batcher(min(BATCH_POOL_MAX, BATCH_THREADS * len(peers.clients)))
+        self.queues = {k: _OwnerQueue(c, max_batch, grace_until, self.batcher) for k, c in peers.clients.items()}
         self._inflight: dict[int, threading.Event] = {}
         self._ahead: OrderedDict[int, tuple[_Slot, float]] = OrderedDict()  # fid -> (slot, asked at)
         self._ahead_bytes = 0
@@ -430,6 +478,7 @@ class ClusterSource:
         self.closed = True
         for q in self.queues.values():
             q.close()
+        self.batcher.close()
 
 
 __all__ = ["RECENT_BYTES", "ClusterSource", "OwnedStore", "PfsFiles", "RecentBuffer", "SourceCounters"]

@@ -1,0 +1,92 @@
+"""A cluster node's fetches from its peers (real gRPC on loopback): every read exact, the calls run on a
+bounded pool of threads whatever the number of peers, and a peer that cannot answer falls back."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from fsd.cluster.config import ClusterConfig
+from fsd.cluster.ownership import Ownership
+from fsd.cluster.source import BATCH_THREADS, ClusterSource, OwnedStore, RecentBuffer, SourceCounters
+from fsd.cluster.transport import PeerServer, Peers
+
+SECRET = b"source-test-secret"
+FP = "f" * 64
+
+
+class Files:
+    """The PFS: file id i is random bytes of its own size."""
+
+    def __init__(self, n: int) -> None:
+        rng = np.random.default_rng(4)
+        self.data = [os.urandom(int(rng.integers(100, 5000))) for _ in range(n)]
+        self.reads = 0
+
+    def read_file(self, fid: int) -> bytes:
+        self.reads += 1
+        return self.data[fid]
+
+    def size(self, fid: int) -> int:
+        return len(self.data[fid])
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_reads_through_many_peers_are_exact_on_a_bounded_pool(tmp_path: Path) -> None:
+    n, peers = 240, 5
+    files = Files(n)
+    owner = (np.arange(n) % (peers + 1)).astype(np.int32)  # node 0 is this one
+    ports = [_port() for _ in range(peers + 1)]
+    servers = []
+    for k in range(1, peers + 1):
+        if k == peers:
+            continue  # the last peer is down: its files come from the PFS
+        s = PeerServer(f"127.0.0.1:{ports[k]}", SECRET, k, n_files=n, fingerprint=FP,
+                       serve=lambda i: files.data[i])
+        s.start()
+        servers.append(s)
+    cfg = ClusterConfig(index=0, nodes=tuple(f"127.0.0.1:{p}" for p in ports), secret_file=tmp_path / "s",
+                        secret=SECRET, listen=f"127.0.0.1:{ports[0]}", fetch_timeout=5.0, connect_timeout=1.0,
+                        backoff_max=2.0, max_batch=16)
+    p = Peers(cfg, FP)
+    before = threading.active_count()
+    src = ClusterSource(0, Ownership(owner=owner, cached=np.zeros(n, bool), nodes=peers + 1),
+                        np.array([len(d) for d in files.data]), files, p, OwnedStore(0), RecentBuffer(),
+                        SourceCounters(), fetch_timeout=5.0, connect_timeout=1.0, max_batch=16)
+    try:
+        assert threading.active_count() - before == len(src.batcher.threads) == BATCH_THREADS * peers
+        order = list(range(n))
+        errors: list[str] = []
+
+        def reader(part: list[int]) -> None:
+            for i, fid in enumerate(part):
+                got = src.read(fid, queued=part[i + 1:i + 9])
+                if got != files.data[fid]:
+                    errors.append(f"file {fid} differs")
+
+        threads = [threading.Thread(target=reader, args=(order[j::4],)) for j in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert errors == [] and not any(t.is_alive() for t in threads)
+        c = src.counters.snapshot()
+        remote = int((owner != 0).sum())
+        assert c["peer_files"] + c["fallback_files"] == remote and c["peer_files"] >= remote - n // (peers + 1)
+    finally:
+        src.close()
+        p.close()
+        for s in servers:
+            s.stop(0)
+    for t in src.batcher.threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in src.batcher.threads)
