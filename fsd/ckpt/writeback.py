@@ -232,6 +232,8 @@ class WriteBack:
                 for dev, items in per_dev.items():
                     n.start_soon(self._in_thread, run, dev, items)
         view.release()
+        if f.size < end:  # a shrink while the devices were read: what it cut read as zeros, and is gone
+            del out[max(0, f.size - off):]
         return out
 
     async def _in_thread(self, fn: Callable[..., object], *args: object) -> None:

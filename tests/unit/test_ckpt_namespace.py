@@ -19,7 +19,7 @@ from conftest import device_dirs
 from fsd.ckpt import manifest as mf
 from fsd.ckpt.manifest import ROOT_ID
 from fsd.ckpt.namespace import Namespace, Node
-from fsd.ckpt.root import build_namespace, start_namespace
+from fsd.ckpt.parts import build_namespace, start_namespace
 from fsd.ckpt.reports import namespace_status
 
 KiB = 1 << 10

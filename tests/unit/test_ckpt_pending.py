@@ -13,7 +13,7 @@ from conftest import device_dirs
 from fsd.ckpt import pending
 from fsd.ckpt.manifest import ROOT_ID, Manifest
 from fsd.ckpt.namespace import Namespace
-from fsd.ckpt.root import build_namespace, start_namespace
+from fsd.ckpt.parts import build_namespace, start_namespace
 
 KiB = 1 << 10
 

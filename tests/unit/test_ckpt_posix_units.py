@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import device_dirs
 from fsd.ckpt.namespace import Namespace, setid_to_clear
-from fsd.ckpt.root import build_namespace, start_namespace
+from fsd.ckpt.parts import build_namespace, start_namespace
 from fsd.ckpt.manifest import ROOT_ID, Manifest
 from fsd.ckpt.striping import Layout
 from fsd.ckpt.writeback import MAX_LFS_FILESIZE, max_file_size
