@@ -84,7 +84,7 @@ fsync (a few kB each) must find room when data fills the device, or they fail wi
 while the flush that filled it would have waited for eviction or the drain."""
 
 
-def _check_room(fd: int, nbytes: int, claimed: int = 0) -> None:
+def _check_room(fd: int, nbytes: int, claimed: int) -> None:
     """ENOSPC unless the device of *fd* keeps ``META_RESERVE`` free after *nbytes* more and the
     *claimed* bytes of the writes in flight beside it."""
     st = os.fstatvfs(fd)
