@@ -76,6 +76,7 @@ class FlushJob:
     chunks: list[tuple[int, "Chunk", int]]  # (chunk index, chunk, gen at submit)
     nbytes: int
     blocks: int = -1  # st_blocks of the data file after the write (-1: unknown)
+    room_gen: int = 0  # the flusher's room generation at submit (see Flusher.retry_room)
 
 
 META_RESERVE = 1 << 20

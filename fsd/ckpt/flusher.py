@@ -41,6 +41,9 @@ class Flusher:
         # chunks stay in RAM and flush again at retry_room() instead of failing it
         self.on_enospc: Callable[[], bool] | None = None
         self.waiting_room: set[int] = set()  # ids of files whose flush waits for room
+        # bumped whenever room was made: a job submitted before that which finds the device full
+        # was refused before the room existed, and is retried at once rather than taken as "full"
+        self.room_gen = 0
         pool.on_short = self.pressure
 
     def start(self) -> None:
@@ -114,7 +117,7 @@ class Flusher:
         if not chunks:
             return
         ext = next(f.layout.extents(chunks[0][0] * c, 1))
-        job = FlushJob(ext.device, f.id, ext.local_off, views, chunks, nbytes)
+        job = FlushJob(ext.device, f.id, ext.local_off, views, chunks, nbytes, room_gen=self.room_gen)
         f.inflight += 1
         self.devices[ext.device].queue.put((job, self._done_threadsafe))
 
@@ -135,6 +138,12 @@ class Flusher:
         requeue: set[int] = set()
         if err is not None:
             e = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
+            if e == errno.ENOSPC and f.error is None and job.room_gen != self.room_gen:
+                for _, ch, _ in job.chunks:  # refused before the latest room was made: try again
+                    ch.inflight = False
+                self.queue_file(f, "all")
+                f.notify()
+                return
             if e == errno.ENOSPC and f.error is None and self.on_enospc is not None and self.on_enospc():
                 for _, ch, _ in job.chunks:
                     ch.inflight = False
@@ -178,6 +187,7 @@ class Flusher:
 
     def retry_room(self) -> None:
         """Room was made: flush again what waited for it."""
+        self.room_gen += 1
         waiting, self.waiting_room = self.waiting_room, set()
         for fid in waiting:
             f = self.files.get(fid)

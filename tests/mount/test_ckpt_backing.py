@@ -228,8 +228,9 @@ def small_devices(tmp_path: Path) -> Any:
             subprocess.run(["umount", "-l", str(d)], capture_output=True)
 
 
-def test_a_loop_writing_5x_the_devices_capacity_evicts_drained_checkpoints(ck: Setup, mounter: Any,
-                                                                          small_devices: list[Path]) -> None:
+def test_a_loop_writing_5x_the_devices_capacity_evicts_drained_checkpoints(small_devices: list[Path], ck: Setup,
+                                                                          mounter: Any) -> None:
+    # small_devices first: set up before the mount, so torn down after it (its unmount report lands)
     ck.devices = small_devices
     m = mounter(ck.args("--keep-on-devices", "1"), ck.mnt)
     sums: dict[str, str] = {}
