@@ -153,6 +153,9 @@ class ProgressTracker:
         self._div_reads: deque[tuple[int, bool, float, int | None]] = deque(maxlen=2 * RESYNC_MATCHES)
         self._unexplained: int | None = None
         self._explained = 0
+        # the latest unmatched reads: (file, whether a lookup, its rank, its accesses near the trail),
+        # named in the divergence warning so that a log says why the plan was left
+        self._misses: deque[tuple[int, bool, int | None, list[int]]] = deque(maxlen=4)
 
     @property
     def slack(self) -> int:
@@ -390,6 +393,10 @@ class ProgressTracker:
             self._took(fid, q, off, size, now, rank)
             return q
         self.mismatched += 1
+        lo = max(0, self.trail - 2 * self.window)
+        p = self.index.positions(fid)
+        k = int(np.searchsorted(p, lo))
+        self._misses.append((fid, off is None, rank, p[k:k + 3].tolist()))
         if self.recent.count(False) >= DIV_THRESHOLD:
             self.state = DIVERGED
             self.divergences += 1
@@ -399,6 +406,10 @@ class ProgressTracker:
             self._explained = 0
             log.warning("reads diverged from the plan near position %d (%d of the last %d reads unmatched); "
                         "prefetch paused", self.front, self.recent.count(False), len(self.recent))
+            log.info("divergence: fronts %s, read to %s, rate %.0f/s, beacons every %d, epoch bounds near %s; "
+                     "last unmatched (file, lookup, rank, its accesses from the trail): %s",
+                     self.fronts, self._top, self.rate, self.beacon_every or 0,
+                     self._bounds[max(0, self.epoch_of(max(self.front, 0)) - 1):][:4].tolist(), list(self._misses))
         return None
 
     def _advance(self, q: int, now: float, plausible: bool = True) -> None:
