@@ -224,6 +224,14 @@ class DatasetCache:
             self.scheduler.observe(file_id, self.clock(), rank=rank)
             self.kernel.retry(file_id, listed=False)
 
+    def note_opens(self, file_ids: list[int], rank: int | None = None) -> None:
+        """*rank*'s processes opened *file_ids* (oldest first) since the last call (the open log):
+        the tracker places the rank at the newest."""
+        with self.guard:
+            tr = self.cursor.tracker
+            if tr is not None and file_ids and tr.place(file_ids[-1], len(file_ids), self.clock(), rank) is not None:
+                self.guard.notify_all()
+
     def note_known(self, file_id: int) -> None:
         """The kernel learnt *file_id* from a directory listing (readdirplus): not a progress hint,
         but a failed push can succeed now (a plan written before the job listed the dataset)."""

@@ -29,7 +29,8 @@ import trio
 from fsd.control import CONTROL_NAME, ControlDir, Counters
 from fsd.control_routes import serves_control
 from fsd.data.attr_refresh import AttrRefresher
-from fsd.data.rank_of_pid import Callers
+from fsd.data.open_log import OpenLog
+from fsd.data.rank_of_pid import Caller, Callers
 from fsd.data.revalidate import Revalidator
 from fsd.data.router import ReadRouter
 from fsd.errors import fuse_errors
@@ -88,6 +89,7 @@ class DataOperations(pyfuse3.Operations):
         self.control: ControlDir | None = None
         self.revalidator: Revalidator
         self.refresher: AttrRefresher | None = None
+        self.open_log: OpenLog | None = None  # with pyfuse3's open log (OPEN_LOG)
 
     def attach(self, control: ControlDir, revalidator: Revalidator, refresher: AttrRefresher | None) -> None:
         """The parts built around this class: the control directory, backend revalidation (which
@@ -108,7 +110,8 @@ class DataOperations(pyfuse3.Operations):
             "inodes": len(self.inodes),
             "revalidate": self.revalidator.status(),
             "attr_refresh": self.refresher.status() if self.refresher is not None else None,
-            "rank_attribution": {"read_ctx": READ_CTX, **self.callers.status()},
+            "rank_attribution": {"read_ctx": READ_CTX, **self.callers.status(),
+                                 "open_log": self.open_log.status() if self.open_log is not None else None},
             **self.router.status(),
         }
 
@@ -144,8 +147,19 @@ class DataOperations(pyfuse3.Operations):
         pid = ctx.pid
         caller = self.callers.cached(pid)
         if caller is None:
-            caller = self.callers.learn(pid, await self._thread(self.callers.resolve, pid, limiter=self.proc_limiter))
+            caller = self.callers.learn(pid, await self.resolve_caller(pid))
         return self.callers.rank(caller)
+
+    async def resolve_caller(self, pid: int) -> Caller:
+        """What ``/proc`` says of *pid* (read on a worker thread)."""
+        return await self._thread(self.callers.resolve, pid, limiter=self.proc_limiter)
+
+    def known_path(self, ino: int) -> bytes | None:
+        """The path of *ino*, None if the daemon does not know it."""
+        try:
+            return self.inodes.path(ino)
+        except KeyError:
+            return None
 
     def _observe(self, ino: int, path: bytes, st: os.stat_result) -> None:
         """Tell the revalidator what the kernel was just told about *path*."""

@@ -148,6 +148,10 @@ class ProgressTracker:
         self.inferred = 0  # ... whose rank was inferred
         self.divergences = 0
         self.resyncs = 0
+        self.placed = 0  # ranks placed by the open log (place)
+        self.unplaced = 0  # ... not placed: no access of the newest file where the count of opens put it
+        # rank (front index) -> (where the open log last put it, opens counted since)
+        self._placed: dict[int, tuple[int, int]] = {}
         # while diverged: the latest reads (file, whether an observed rank's front explained it), the
         # newest file none explained, and how many reads in a row were explained
         self._div_reads: deque[tuple[int, bool, float, int | None]] = deque(maxlen=2 * RESYNC_MATCHES)
@@ -412,6 +416,42 @@ class ProgressTracker:
                      self._bounds[max(0, self.epoch_of(max(self.front, 0)) - 1):][:4].tolist(), list(self._misses))
         return None
 
+    def place(self, fid: int, opened: int, now: float, rank: int | None = None) -> int | None:
+        """The open log (:mod:`fsd.data.open_log`) says the processes of *rank* opened *opened* files
+        since the last call, the newest *fid*: each open is one access, so the rank is that many of
+        its accesses past where it was last placed (or its front). If an access of *fid* lies there,
+        within twice the reorder window and 16, the rank is put at it; its position, or None (not
+        synced, no such access, a read without a rank while the node runs several ranks: the opens
+        are counted on for the next call). Exact, so it replaces the rank's front: its reads served
+        by the page cache never arrived, and matching does not reach an epoch past a front."""
+        r = self.dense_rank(rank)
+        if r is None and len(self.fronts) == 1:
+            r = 0
+        if r is None or self.state != SYNCED:
+            return None
+        base, before = self._placed.get(r, (self.fronts[r], 0))
+        opened += before
+        expect = base + opened * len(self.fronts)  # a rank's accesses are spread evenly over the stream
+        p = self.index.positions(fid)
+        if self.rank_of is not None:
+            p = p[self.rank_of[p] == r]
+        k = int(np.searchsorted(p, expect))
+        near = [c for c in p[max(0, k - 1):k + 1].tolist() if abs(c - expect) <= 2 * self.window + 16]
+        if not near:  # counted on from the same place; from the front once that is past the slack
+            self._placed[r] = (base, opened)
+            if opened > 4 * (2 * self.window + 16):
+                del self._placed[r]
+            self.unplaced += 1
+            return None
+        q = min(near, key=lambda c: abs(c - expect))
+        self._placed[r] = (q, 0)
+        self._hist[r].clear()
+        self._plausible[r].clear()
+        self._top[r] = self.fronts[r] = -1
+        self.placed += 1
+        self._advance(q, now)
+        return q
+
     def _advance(self, q: int, now: float, plausible: bool = True) -> None:
         r = self.rank_at(q)
         if plausible:
@@ -525,6 +565,7 @@ class ProgressTracker:
         self.state = SYNCED
         self._since_sync = 0
         self.resyncs += 1
+        self._placed.clear()  # the opens while diverged were not counted: from the fronts again
         self.recent.clear()
         self.front = max(self.fronts)
         self.trail = min(f for f in self.fronts if f >= 0)  # a rank not seen yet holds nothing back
@@ -553,6 +594,8 @@ class ProgressTracker:
             "attribution": self.attribution(),
             "divergences": self.divergences,
             "resyncs": self.resyncs,
+            "placed_by_opens": self.placed,
+            "not_placed_by_opens": self.unplaced,
             "trusted": self.followed(),
         }
 

@@ -21,12 +21,14 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pyfuse3
 import trio
 
 from fsd.control import ControlDir
 from fsd.control_routes import expire_loop, fuse_op_counts
 from fsd.data.attr_refresh import AttrRefresher
 from fsd.data.kernel_port import KernelPort
+from fsd.data.open_log import OpenLog
 from fsd.data.operations import NO_OPEN, DataOperations
 from fsd.data.plan_check import PlanCheck
 from fsd.data.revalidate import Revalidator, dir_fd_stat
@@ -101,6 +103,10 @@ class DataMount:
         ops = self.ops
         assert ops is not None and ops.control is not None
         nursery.start_soon(expire_loop, ops.control)
+        take = getattr(pyfuse3, "fast_opens", None)  # the open-log patch (OPEN_LOG)
+        if take is not None:
+            ops.open_log = OpenLog(take, ops.known_path, ops.callers, ops.router.note_opens, ops.resolve_caller)
+            nursery.start_soon(ops.open_log.run)
         ops.router.preload()
         check = PlanCheck(ops.router.reads, ops.router.check_context, ops.control.record_notice)
         check.start()

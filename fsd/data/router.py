@@ -170,6 +170,15 @@ class ReadRouter:
         if planned is not None:
             planned[0].note_lookup(planned[1], rank)
 
+    def note_opens(self, paths: list[bytes], rank: int | None = None) -> None:
+        """The job's *rank* opened *paths* (oldest first; the open log): planned ones place it."""
+        active = self._active  # one plan for all of them
+        if active is None:
+            return
+        fids = [f for f in map(active.files.file_id, paths) if f is not None]
+        if fids:
+            active.cache.note_opens(fids, rank)
+
     def note_known(self, path: bytes) -> None:
         """The kernel learnt *path* from a directory listing (no progress: pending pushes may go)."""
         planned = self._planned(path)

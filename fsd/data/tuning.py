@@ -58,6 +58,12 @@ BLIND_MAX_S = 2.0
 """How long reads may match as far ahead as the readers' rate carries them since their front last moved
 (a page-cache-hot reader sends nothing between beacons, at an epoch turn not even those)."""
 
+OPEN_LOG_S = 0.02
+"""How often the loop takes pyfuse3's log of opens (:mod:`fsd.data.open_log`): one progress hint per
+reading process each time. Shorter keeps the tracker closer to a page-cache-hot reader (at 50k files/s
+a reader passes ~1000 files between polls, well inside how far a match may reach); each poll costs the
+loop ~10-50 us."""
+
 # --------------------------------------------------------------------------- pusher: the kernel's page cache
 BEACON_EVERY = 16
 """Beacon spacing while the daemon serves the reader (stalls, losses): one FUSE round trip (~30-60 us) per
