@@ -4,26 +4,22 @@ Where is the reader?
     Once the kernel page cache holds a file, its reads never reach the daemon,
     so progress is inferred from what *does* arrive (reads and lookups):
 
-    * **Progress beacons.** About every ``beacon_every``-th predicted access
-      of each rank's stretch of the stream (every ``beacon_every / 2**k`` of
-      the rank's own accesses, ``2**k`` >= the node's ranks:
-      :func:`fsd.access_stream.beacon_levels`) is pushed *without its last page*
-      (files of one page or less are not pushed at all). The reader's read of
-      that page reaches the daemon and pins the reader's position to within
-      the reorder slack ``window``. Cost: one FUSE round trip (~30-60 us) per
-      ``beacon_every`` files (measured ~0.3-0.4 ms on 2 loaded cores, plus a
-      getattr at the file's next open). ``beacon_every`` adapts
-      (:meth:`LeadControl.beacon_spacing`): 16, doubled up to 256 while that
-      would still give a beacon every 0.25 s of reading, back to 16 for a second
-      after pushed pages were lost. Spacings are powers of two times 16, so a
-      sparser set of beacons is a subset of a denser one. A file the kernel is
-      believed to hold whole cannot be a beacon (a push cannot remove a page);
-      its beacon is skipped.
+    * **Progress beacons.** About every ``beacon_every``-th access of each
+      rank's stretch of the stream (:func:`fsd.access_stream.beacon_levels`) is
+      pushed *without its last page*; the read of that page reaches the daemon
+      and pins the reader to within the reorder slack ``window``. Cost: one
+      FUSE round trip (~30-60 us) per ``beacon_every`` files. The spacing adapts
+      (:meth:`LeadControl.beacon_spacing`: powers of two times 16, up to 4096).
+      A file the kernel holds whole cannot be a beacon (a push cannot remove a
+      page): once everything fits, a reader that never opens with ``isatty()``
+      sends nothing until pages are lost.
+    * **The open log** (:mod:`fsd.data.open_log`): every Python ``open()``
+      is logged; counting a rank's opens places it exactly (:meth:`place`).
     * **Every other read/lookup** that arrives is matched too (page-cache
       misses, first-epoch lookups), so without a ``push`` every read is a beacon.
-    * **Rate extrapolation.** Between beacons the position is extrapolated with
+    * **Rate extrapolation.** Between those the position is extrapolated with
       an EWMA of the observed entries/s, capped at ``front + beacon_every +
-      window`` (the reader cannot pass the next beacon unnoticed).
+      window``.
 
 Attribution
     A read or lookup usually names its rank: the daemon learns the caller's rank from its
@@ -87,7 +83,6 @@ SYNCED = "synced"
 DIVERGED = "diverged"
 
 
-
 class ProgressTracker:
     """Estimates the readers' positions in the stream; not thread-safe (cache lock).
 
@@ -148,8 +143,8 @@ class ProgressTracker:
         self.inferred = 0  # ... whose rank was inferred
         self.divergences = 0
         self.resyncs = 0
-        self.placed = 0  # ranks placed by the open log (place)
-        self.unplaced = 0  # ... not placed: no access of the newest file where the count of opens put it
+        self.placed = 0  # fronts put where a rank is known to be (put: the open log, armed beacons)
+        self.unplaced = 0  # counts of opens that put no front (no access of the newest file there)
         # rank (front index) -> (where the open log last put it, opens counted since)
         self._placed: dict[int, tuple[int, int]] = {}
         # while diverged: the latest reads (file, whether an observed rank's front explained it), the
@@ -417,13 +412,11 @@ class ProgressTracker:
         return None
 
     def place(self, fid: int, opened: int, now: float, rank: int | None = None) -> int | None:
-        """The open log (:mod:`fsd.data.open_log`) says the processes of *rank* opened *opened* files
-        since the last call, the newest *fid*: each open is one access, so the rank is that many of
-        its accesses past where it was last placed (or its front). If an access of *fid* lies there,
-        within twice the reorder window and 16, the rank is put at it; its position, or None (not
-        synced, no such access, a read without a rank while the node runs several ranks: the opens
-        are counted on for the next call). Exact, so it replaces the rank's front: its reads served
-        by the page cache never arrived, and matching does not reach an epoch past a front."""
+        """The open log (:mod:`fsd.data.open_log`): *rank*'s processes opened *opened* files since the
+        last call, the newest *fid*. Each open is an access, so the rank is that many of its accesses
+        past where it was last placed (or its front); if an access of *fid* lies there (within twice
+        the reorder window and 16) the rank's front is put at it: its position, else None (not synced;
+        a read without a rank on a node of several ranks; the opens then count on to the next call)."""
         r = self.dense_rank(rank)
         if r is None and len(self.fronts) == 1:
             r = 0
@@ -445,12 +438,17 @@ class ProgressTracker:
             return None
         q = min(near, key=lambda c: abs(c - expect))
         self._placed[r] = (q, 0)
+        self.put(q, now)
+        return q
+
+    def put(self, q: int, now: float) -> None:
+        """The reader of access *q*'s rank is known to be at it (an open counted, an armed beacon read)."""
+        r = self.rank_at(q)
         self._hist[r].clear()
         self._plausible[r].clear()
         self._top[r] = self.fronts[r] = -1
         self.placed += 1
         self._advance(q, now)
-        return q
 
     def _advance(self, q: int, now: float, plausible: bool = True) -> None:
         r = self.rank_at(q)
@@ -594,8 +592,8 @@ class ProgressTracker:
             "attribution": self.attribution(),
             "divergences": self.divergences,
             "resyncs": self.resyncs,
-            "placed_by_opens": self.placed,
-            "not_placed_by_opens": self.unplaced,
+            "fronts_put": self.placed,
+            "opens_not_placed": self.unplaced,
             "trusted": self.followed(),
         }
 

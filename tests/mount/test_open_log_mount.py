@@ -52,4 +52,4 @@ def test_a_reader_served_by_the_page_cache_is_followed_through_its_opens(tmp_pat
     div, log = st["cache"]["divergence"], st["rank_attribution"]["open_log"]
     print(f"{div}; {log}; ops {st.get('ops')}")
     assert div["divergences"] == 0 and div["state"] == "synced", div
-    assert div["placed_by_opens"] >= 1 and log["opens"] >= EPOCHS * FILES and log["overwritten"] == 0, (div, log)
+    assert div["fronts_put"] >= 1 and log["opens"] >= EPOCHS * FILES and log["overwritten"] == 0, (div, log)
