@@ -48,6 +48,7 @@ from fsd.data.fetcher import Fetcher, WholeFiles
 from fsd.data.guard import CacheGuard
 from fsd.data.kernel_tier import KernelTier
 from fsd.data.memory import page_cache_room
+from fsd.data.open_log import OpenCounts
 from fsd.data.ports import InodeMap, PageCachePort, SameIds
 from fsd.data.prefetcher import Prefetcher
 from fsd.data.progress import ProgressTracker
@@ -76,6 +77,7 @@ class DatasetCache:
         self.n_files = backend.n_files
         self.ram_bytes = int(ram_bytes)
         self.fetch_threads = max(1, int(fetch_threads))
+        self.opens: OpenCounts | None = None  # ranks placed by their opens (the open log), per plan
         self.clock = clock
         staging_cap = int(min(Staging.STAGING_MAX, self.ram_bytes * staging_fraction))
         self.guard = CacheGuard()
@@ -141,6 +143,7 @@ class DatasetCache:
                               np.asarray(stream.epoch_bounds), ranks, beacon_levels(ranks, len(ids)),
                               (len(tracker.fronts) - 1).bit_length())  # one front per rank on the node
             self.cursor.follow(plan, tracker, self.fetch_threads)
+            self.opens = OpenCounts(tracker)
             self.scheduler.reset(0)
             self.kernel.follow(plan, first)
             self.residency.follow(first, placement)
@@ -228,8 +231,9 @@ class DatasetCache:
         """*rank*'s processes opened *file_ids* (oldest first) since the last call (the open log):
         the tracker places the rank at the newest."""
         with self.guard:
-            tr = self.cursor.tracker
-            if tr is not None and file_ids and tr.place(file_ids[-1], len(file_ids), self.clock(), rank) is not None:
+            opens = self.opens
+            if opens is not None and opens.tr is self.cursor.tracker and file_ids \
+                    and opens.place(file_ids[-1], len(file_ids), self.clock(), rank) is not None:
                 self.guard.notify_all()
 
     def note_known(self, file_id: int) -> None:
@@ -280,7 +284,8 @@ class DatasetCache:
                     "overflow_drops": self.fetcher.overflow_drops,
                 } | self.kernel.stats(),
                 "page_cache": self.kernel.belief.tier.stats(),
-                "divergence": tr.stats() if tr is not None else {"state": "no_plan"},
+                "divergence": ({**tr.stats(), "opens_not_placed": self.opens.unplaced if self.opens else 0}
+                               if tr is not None else {"state": "no_plan"}),
                 "backend": self.fetcher.stats() | {"foreign_reads": cur.foreign_reads},
             }
 

@@ -11,8 +11,7 @@ cache, and its next reads that did arrive matched nothing (a divergence).
 
 Every ``tuning.OPEN_LOG_S`` the loop takes the log, groups the opens by the rank each process's
 environment names (:mod:`fsd.data.rank_of_pid`; processes naming none form one group) and hands each
-group, in order, to the dataset cache, which places the rank by counting them
-(:meth:`fsd.data.progress.ProgressTracker.place`).
+group, in order, to the dataset cache, which places the rank by counting them (:class:`OpenCounts`).
 """
 
 from __future__ import annotations
@@ -21,14 +20,61 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
 import trio
 
 from fsd.data import tuning
+from fsd.data.progress import SYNCED, ProgressTracker
 from fsd.data.rank_of_pid import Caller, Callers
 
 log = logging.getLogger(__name__)
 
 Take = Callable[[], tuple[list[tuple[int, int]], int]]
+
+
+class OpenCounts:
+    """Each rank's place by the count of its opens, for one tracker (one plan); under the cache's lock."""
+
+    def __init__(self, tracker: ProgressTracker) -> None:
+        self.tr = tracker
+        self._at: dict[int, tuple[int, int]] = {}  # rank (front index) -> (where last placed, opens since)
+        self._resyncs = tracker.resyncs
+        self.unplaced = 0  # counts that put no front (no access of the newest file there)
+
+    def place(self, fid: int, opened: int, now: float, rank: int | None = None) -> int | None:
+        """*rank*'s processes opened *opened* files since the last call, the newest *fid*. Each open is
+        an access, so the rank is that many of its accesses past where it was last placed (or its
+        front); if an access of *fid* lies there (within twice the reorder window and 16) the rank's
+        front is put at it: its position, else None (not synced; opens without a rank on a node of
+        several ranks; the opens then count on to the next call)."""
+        tr = self.tr
+        r = tr.dense_rank(rank)
+        if r is None and len(tr.fronts) == 1:
+            r = 0
+        if r is None or tr.state != SYNCED:
+            return None
+        if tr.resyncs != self._resyncs:  # the opens while diverged were not counted: from the fronts again
+            self._at.clear()
+            self._resyncs = tr.resyncs
+        base, before = self._at.get(r, (tr.fronts[r], 0))
+        opened += before
+        expect = base + opened * len(tr.fronts)  # a rank's accesses are spread evenly over the stream
+        p = tr.index.positions(fid)
+        if tr.rank_of is not None:
+            p = p[tr.rank_of[p] == r]
+        k = int(np.searchsorted(p, expect))
+        slack = 2 * tr.window + 16
+        near = [c for c in p[max(0, k - 1):k + 1].tolist() if abs(c - expect) <= slack]
+        if not near:  # counted on from the same place; from the front once that is past the slack
+            self._at[r] = (base, opened)
+            if opened > 4 * slack:
+                del self._at[r]
+            self.unplaced += 1
+            return None
+        q = min(near, key=lambda c: abs(c - expect))
+        self._at[r] = (q, 0)
+        tr.put(q, now)
+        return q
 
 
 class OpenLog:

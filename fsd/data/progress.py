@@ -14,7 +14,7 @@ Where is the reader?
       page): once everything fits, a reader that never opens with ``isatty()``
       sends nothing until pages are lost.
     * **The open log** (:mod:`fsd.data.open_log`): every Python ``open()``
-      is logged; counting a rank's opens places it exactly (:meth:`place`).
+      is logged; counting a rank's opens places it exactly (:meth:`put`).
     * **Every other read/lookup** that arrives is matched too (page-cache
       misses, first-epoch lookups), so without a ``push`` every read is a beacon.
     * **Rate extrapolation.** Between those the position is extrapolated with
@@ -31,37 +31,30 @@ Attribution
     ``reads_inferred`` count which was used.
 
 Matching
-    One front per rank (ranks drift apart, by whole epochs when they are
-    not synchronized). A read of file *f* matches a predicted access *q* of
-    *f* that *q*'s rank has not passed (:meth:`ProgressTracker._match`):
-    preferably one near an observed rank's front, else one of a rank not seen
-    yet in the leading rank's epoch or before, else the earliest up to
-    ``max_jump`` past the leading front (``max_jump`` = prefetched distance +
-    4*window + beacon_every + min lead). "Near" is what the reader's progress
-    explains: its reorder window plus twice what the readers' rate carries it
-    since its last matched read, never the beacon spacing (which on a small
-    dataset covers every epoch of the plan); and a match is never more than
-    one epoch past where its rank reads, and in the next epoch only once the
-    rank can have read its last access of this one (a rank reads an epoch's
-    files after all of the one before). An access a read took is not taken
-    again (each is read once), and the later READ requests of a read belong
-    to the access its first one matched. Files the plan never mentions are
-    *foreign* (another job, ``ls``): served, counted, not held against the plan.
+    One front per rank (ranks drift apart, by whole epochs when they are not synchronized). A read of
+    file *f* matches a predicted access *q* of *f* that *q*'s rank has not passed (:meth:`_match`):
+    preferably one near an observed rank's front, else one of a rank not seen yet in the leading
+    rank's epoch or before, else the earliest up to ``max_jump`` past the leading front (``max_jump`` =
+    prefetched distance + 4*window + beacon_every + min lead). "Near" is the reorder window plus twice
+    what the readers' rate carries them since their last matched read, never the beacon spacing (on a
+    small dataset it covers every epoch); a match is never more than one epoch past where its rank
+    reads, and in the next epoch only once the rank can have read its last access of this one. An
+    access a read took is not taken again, and the later READ requests of a read belong to the access
+    its first one matched. Files the plan never mentions are *foreign* (another job, ``ls``): served,
+    counted, not held against the plan.
 
 Divergence and back-off
-    Over the last ``DIV_WINDOW`` planned reads, ``DIV_THRESHOLD`` mismatches
-    switch the tracker to ``diverged``: the cache stops prefetching and
-    pushing (no backend thrash, no page-cache pollution) and serves reads on
-    demand. While diverged every read tries to re-anchor: ``RESYNC_MATCHES``
-    reads in a row near their ranks' fronts, or ``RESYNC_MATCHES`` of the last
-    ``2*RESYNC_MATCHES`` reads fitting one place of the plan, anywhere in it
-    (each within ``2*window`` plus what the readers' rate covers over those
-    reads, at most ``beacon_every``, of it: the spacing alone would let a
-    wrong plan over a small dataset fit anywhere), switch back to ``synced``
-    there, re-anchoring the ranks that read there. A reader that skipped ahead,
-    or a job restarted from a checkpoint while the mount stayed up (same plan,
-    earlier positions), is picked up again; a rank that did not go back keeps
-    its front.
+    Over the last ``DIV_WINDOW`` planned reads, ``DIV_THRESHOLD`` mismatches switch the tracker to
+    ``diverged``: the cache stops prefetching and pushing and serves reads on demand. While diverged
+    every read tries to re-anchor: ``RESYNC_MATCHES`` reads in a row near their ranks' fronts, or
+    ``RESYNC_MATCHES`` of the last ``2*RESYNC_MATCHES`` reads fitting one place of the plan, anywhere
+    in it (each within ``2*window`` plus what the readers' rate covers over those reads, at most
+    ``beacon_every``: the spacing alone would let a wrong plan over a small dataset fit anywhere),
+    switch back to ``synced`` there, re-anchoring the ranks that read there. A reader that skipped
+    ahead, or a job restarted from a checkpoint while the mount stayed up, is picked up again.
+    After the page cache was dropped (``drop_caches``) while no read had arrived for a while, the
+    fronts are stale; the tracker *relocates*: the same re-anchoring, not counted as a divergence
+    unless ``DIV_WINDOW`` reads find no place (:meth:`ProgressTracker.relocate`).
 """
 
 from __future__ import annotations
@@ -143,10 +136,7 @@ class ProgressTracker:
         self.inferred = 0  # ... whose rank was inferred
         self.divergences = 0
         self.resyncs = 0
-        self.placed = 0  # fronts put where a rank is known to be (put: the open log, armed beacons)
-        self.unplaced = 0  # counts of opens that put no front (no access of the newest file there)
-        # rank (front index) -> (where the open log last put it, opens counted since)
-        self._placed: dict[int, tuple[int, int]] = {}
+        self.placed = 0  # fronts put where a rank is known to be (put)
         # while diverged: the latest reads (file, whether an observed rank's front explained it), the
         # newest file none explained, and how many reads in a row were explained
         self._div_reads: deque[tuple[int, bool, float, int | None]] = deque(maxlen=2 * RESYNC_MATCHES)
@@ -411,38 +401,8 @@ class ProgressTracker:
                      self._bounds[max(0, self.epoch_of(max(self.front, 0)) - 1):][:4].tolist(), list(self._misses))
         return None
 
-    def place(self, fid: int, opened: int, now: float, rank: int | None = None) -> int | None:
-        """The open log (:mod:`fsd.data.open_log`): *rank*'s processes opened *opened* files since the
-        last call, the newest *fid*. Each open is an access, so the rank is that many of its accesses
-        past where it was last placed (or its front); if an access of *fid* lies there (within twice
-        the reorder window and 16) the rank's front is put at it: its position, else None (not synced;
-        a read without a rank on a node of several ranks; the opens then count on to the next call)."""
-        r = self.dense_rank(rank)
-        if r is None and len(self.fronts) == 1:
-            r = 0
-        if r is None or self.state != SYNCED:
-            return None
-        base, before = self._placed.get(r, (self.fronts[r], 0))
-        opened += before
-        expect = base + opened * len(self.fronts)  # a rank's accesses are spread evenly over the stream
-        p = self.index.positions(fid)
-        if self.rank_of is not None:
-            p = p[self.rank_of[p] == r]
-        k = int(np.searchsorted(p, expect))
-        near = [c for c in p[max(0, k - 1):k + 1].tolist() if abs(c - expect) <= 2 * self.window + 16]
-        if not near:  # counted on from the same place; from the front once that is past the slack
-            self._placed[r] = (base, opened)
-            if opened > 4 * (2 * self.window + 16):
-                del self._placed[r]
-            self.unplaced += 1
-            return None
-        q = min(near, key=lambda c: abs(c - expect))
-        self._placed[r] = (q, 0)
-        self.put(q, now)
-        return q
-
     def put(self, q: int, now: float) -> None:
-        """The reader of access *q*'s rank is known to be at it (an open counted, an armed beacon read)."""
+        """The reader of access *q*'s rank is known to be at it (:class:`fsd.data.open_log.OpenCounts`)."""
         r = self.rank_at(q)
         self._hist[r].clear()
         self._plausible[r].clear()
@@ -563,7 +523,6 @@ class ProgressTracker:
         self.state = SYNCED
         self._since_sync = 0
         self.resyncs += 1
-        self._placed.clear()  # the opens while diverged were not counted: from the fronts again
         self.recent.clear()
         self.front = max(self.fronts)
         self.trail = min(f for f in self.fronts if f >= 0)  # a rank not seen yet holds nothing back
@@ -593,7 +552,6 @@ class ProgressTracker:
             "divergences": self.divergences,
             "resyncs": self.resyncs,
             "fronts_put": self.placed,
-            "opens_not_placed": self.unplaced,
             "trusted": self.followed(),
         }
 

@@ -1,4 +1,4 @@
-"""Ranks placed by counting their opens (:meth:`fsd.data.progress.ProgressTracker.place`): a reader that
+"""Ranks placed by counting their opens (:class:`fsd.data.open_log.OpenCounts`): a reader that
 reads whole epochs from the page cache sends no READ, but every Python ``open()`` is logged; the count
 of opens since the last placement says where the rank is, and its newest file which access it is."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fsd.data.open_log import OpenCounts
 from fsd.data.progress import DIVERGED, SYNCED, ProgressTracker
 from fsd.plan.access_stream import interleave_epoch
 from fsd.plan.belady import FileIndex
@@ -23,13 +24,14 @@ def _one_rank() -> np.ndarray:
 def test_a_reader_served_by_the_page_cache_is_placed_epoch_after_epoch() -> None:
     ids = _one_rank()
     tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16, epoch_bounds=np.arange(EPOCHS + 1) * N)
+    oc = OpenCounts(tr)
     for q in range(40):  # the first reads arrive (nothing cached yet)
         assert tr.observe(int(ids[q]), q * 1e-3, 1 << 16, 0, 4096) == q
     last, now = 39, 0.04
     for chunk in (97, 500, 1, 1200, 33, 64, 150):  # then only opens, polled in uneven chunks
         last += chunk
         now += 0.02
-        assert tr.place(int(ids[last]), chunk, now) == last
+        assert oc.place(int(ids[last]), chunk, now) == last
         assert tr.front == tr.trail == last
     # a read arriving now (the page cache dropped a file) is matched where the reader is
     assert tr.observe(int(ids[last - 1]), now + 0.001, 1 << 16, 0, 4096) == last - 1
@@ -39,33 +41,37 @@ def test_a_reader_served_by_the_page_cache_is_placed_epoch_after_epoch() -> None
 def test_a_count_that_does_not_fit_places_nothing_and_the_fronts_take_over_again() -> None:
     ids = _one_rank()
     tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16, epoch_bounds=np.arange(EPOCHS + 1) * N)
+    oc = OpenCounts(tr)
     for q in range(20):
         tr.observe(int(ids[q]), q * 1e-3, 1 << 16, 0, 4096)
-    assert tr.place(int(ids[400]), 100, 1.0) is None  # 100 opens cannot have reached access 400
-    assert tr.unplaced == 1 and tr.front < 20
+    assert oc.place(int(ids[400]), 100, 1.0) is None  # 100 opens cannot have reached access 400
+    assert oc.unplaced == 1 and tr.front < 20
     # after more misses than the slack the base is the front again, and a count from there places
     tr2 = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16, epoch_bounds=np.arange(EPOCHS + 1) * N)
+    oc2 = OpenCounts(tr2)
     for q in range(20):
         tr2.observe(int(ids[q]), q * 1e-3, 1 << 16, 0, 4096)
-    assert tr2.place(int(ids[19 + 500]), 200, 1.0) is None  # 300 opens lost from the count
-    assert tr2.place(int(ids[19 + 50]), 50, 1.1) == 19 + 50  # counted afresh from the front
+    assert oc2.place(int(ids[19 + 500]), 200, 1.0) is None  # 300 opens lost from the count
+    assert oc2.place(int(ids[19 + 50]), 50, 1.1) == 19 + 50  # counted afresh from the front
 
 
 def test_opens_of_unnamed_processes_place_nothing_when_the_node_runs_several_ranks() -> None:
     perm = np.random.default_rng(1).permutation(N)
     ids, ranks = interleave_epoch(perm.reshape(-1, 2).T, np.array([0, 1]), 4)
     tr = ProgressTracker(FileIndex(ids.astype(np.int64)), len(ids), window=4, beacon_every=16, ranks=ranks)
-    assert tr.place(int(ids[10]), 5, 1.0) is None  # which rank opened them is unknown
+    oc = OpenCounts(tr)
+    assert oc.place(int(ids[10]), 5, 1.0) is None  # which rank opened them is unknown
     mine = np.flatnonzero(ranks == 1)
-    assert tr.place(int(ids[mine[9]]), 10, 1.0, rank=1) == mine[9]  # rank 1's tenth access
+    assert oc.place(int(ids[mine[9]]), 10, 1.0, rank=1) == mine[9]  # rank 1's tenth access
     assert tr.fronts[1] == mine[9] and tr.fronts[0] == -1
 
 
 def test_a_diverged_tracker_is_not_placed() -> None:
     ids = _one_rank()
     tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=0, epoch_bounds=np.arange(EPOCHS + 1) * N)
+    oc = OpenCounts(tr)
     other = np.random.default_rng(99).permutation(N)
     for i in range(40):  # another order: the plan is left
         tr.observe(int(other[i]), i * 1e-3, 64, 0, 4096)
     assert tr.state == DIVERGED
-    assert tr.place(int(ids[50]), 50, 1.0) is None and tr.placed == 0
+    assert oc.place(int(ids[50]), 50, 1.0) is None and tr.placed == 0
