@@ -22,7 +22,7 @@ def main() -> int:
     mode, addr, secret_file, root, n = sys.argv[1:6]
     secret, n_files, d = read_secret(secret_file), int(n), Path(root)
     if mode == "serve":
-        s = PeerServer(addr, secret, node=1, n_files=n_files, serve=lambda i: (d / f"f{i}.bin").read_bytes(),
+        s = PeerServer(addr, secret, node=1, n_files=n_files, serve=lambda i, down: (d / f"f{i}.bin").read_bytes(),
                        fingerprint=FP)
         print("ready", s.start(), flush=True)
         sys.stdin.read()

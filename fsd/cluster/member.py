@@ -112,7 +112,7 @@ class ClusterMember:
         c = self.cfg
         source = ClusterSource(c.index, own, cp.sizes, cache.backend, self.node.peers, self.store, self.recent, self.counters,
                                fetch_timeout=c.fetch_timeout, connect_timeout=c.connect_timeout,
-                               max_batch=c.max_batch)
+                               max_batch=c.max_batch, reown=cp.ownership)
         self.owner_summary = own.summary(cp.sizes)
         self._share(source, cache, fp, "")
         mine = self.owner_summary[c.index]
@@ -147,10 +147,10 @@ class ClusterMember:
             old.close()
 
     # ------------------------------------------------------------------ peers
-    def serve(self, fid: int) -> tuple[bytes, int] | None:
+    def serve(self, fid: int, down: frozenset[int] = frozenset()) -> tuple[bytes, int] | None:
         """A peer's request for file *fid* (grpc threads): see :meth:`ClusterSource.serve`."""
         src = self.source
-        return src.serve(fid) if src is not None else None
+        return src.serve(fid, down) if src is not None else None
 
     def invalidate(self, fid: int) -> None:
         """The PFS file *fid* changed."""

@@ -281,11 +281,14 @@ def _promote(owner: np.ndarray, ranked: np.ndarray, placed: np.ndarray, sizes: n
         pos = np.flatnonzero(placed)
 
 
-def compute_ownership(sizes: np.ndarray, demand: np.ndarray, capacities: Sequence[int]) -> Ownership:
+def compute_ownership(sizes: np.ndarray, demand: np.ndarray, capacities: Sequence[int],
+                      live: Sequence[bool] | None = None) -> Ownership:
     """The owner map (see the module docstring).
 
     *sizes*: bytes per file id; *demand*: reads per file id over the remaining plan
-    (:func:`fsd.plan.job_stream.job_demand`); *capacities*: tier bytes per node.
+    (:func:`fsd.plan.job_stream.job_demand`); *capacities*: tier bytes per node; *live*: per node,
+    False for one that is down (it owns nothing; the rings keep the others' points, so mostly its
+    files move: see :class:`Ring`). Every live node computes the same map from the same down set.
     """
     sz = np.asarray(sizes, dtype=np.int64)
     n = len(sz)
@@ -300,6 +303,11 @@ def compute_ownership(sizes: np.ndarray, demand: np.ndarray, capacities: Sequenc
     cap = np.array([int(c) for c in capacities], dtype=np.int64)
     if (cap < 0).any():
         raise ValueError("negative capacity")
+    alive = np.ones(n_nodes, dtype=bool) if live is None else np.array([bool(x) for x in live], dtype=bool)
+    if alive.shape != (n_nodes,) or not alive.any():
+        raise ValueError("live must name every node, one of them up at least")
+    ring_w = cap  # the rings' points come from every node's capacity: a node going down moves only its files
+    cap = np.where(alive, cap, 0)
     h = _mix(np.arange(n, dtype=np.int64))
     # rank: most read first, then smaller, then the hash, then the id (lexsort is stable: equal keys keep
     # id order; the last key is the primary one, here the demand's complement, unsigned like it)
@@ -312,15 +320,15 @@ def compute_ownership(sizes: np.ndarray, demand: np.ndarray, capacities: Sequenc
     cached_files = cand[:cut]
     owner = np.full(n, -1, dtype=np.int32)
     share = np.minimum(_shares(int(sz[cached_files].sum()), cap), cap)
-    owner[cached_files] = _assign(cached_files, h, sz, Ring(cap), share, limit=cap)
+    owner[cached_files] = _assign(cached_files, h, sz, Ring(ring_w, alive), share, limit=cap)
     placed = owner[cached_files] >= 0
     if not placed.all():
         _promote(owner, cached_files, placed, sz)
     cached = np.zeros(n, dtype=bool)
     cached[cached_files[placed]] = True
     rest = rank[owner[rank] < 0]  # ranking order
-    share = _shares(int(sz[rest].sum()), [1] * n_nodes)
-    owner[rest] = _assign(rest, h, sz, Ring([1] * n_nodes), share, limit=None)
+    share = _shares(int(sz[rest].sum()), alive.astype(np.int64).tolist())
+    owner[rest] = _assign(rest, h, sz, Ring([1] * n_nodes, alive), share, limit=None)
     assert (owner >= 0).all()
     return Ownership(owner=owner, cached=cached, nodes=n_nodes)
 
@@ -379,9 +387,10 @@ class ClusterPlan:
         """See :func:`fsd.plan.job_stream.job_demand`."""
         return job_demand(self.job, self.listing, self.indices)
 
-    def ownership(self) -> Ownership:
-        """See :func:`compute_ownership`."""
-        return compute_ownership(self.sizes, self.demand(), self.capacities)
+    def ownership(self, down: frozenset[int] = frozenset()) -> Ownership:
+        """See :func:`compute_ownership`; *down*: the nodes taken as down."""
+        live = [k not in down for k in range(len(self.capacities))] if down else None
+        return compute_ownership(self.sizes, self.demand(), self.capacities, live)
 
 
 __all__ = ["ClusterPlan", "Ownership", "Ring", "compute_ownership", "plan_fingerprint"]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66sd/cluster/peer.proto\x12\x0e\x66sd.cluster.v1\">\n\x0c\x46\x65tchRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\r\x12\x0b\n\x03ids\x18\x03 \x03(\x04\"A\n\x06Sample\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0f\n\x07missing\x18\x02 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04xxh3\x18\x04 \x01(\x06\"1\n\x0cHelloRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\r\"B\n\nHelloReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\r\x12\x11\n\tsame_plan\x18\x03 \x01(\x08\x32\x8a\x01\n\x04Peer\x12?\n\x05\x46\x65tch\x12\x1c.fsd.cluster.v1.FetchRequest\x1a\x16.fsd.cluster.v1.Sample0\x01\x12\x41\n\x05Hello\x12\x1c.fsd.cluster.v1.HelloRequest\x1a\x1a.fsd.cluster.v1.HelloReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66sd/cluster/peer.proto\x12\x0e\x66sd.cluster.v1\"L\n\x0c\x46\x65tchRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\r\x12\x0b\n\x03ids\x18\x03 \x03(\x04\x12\x0c\n\x04\x64own\x18\x04 \x03(\r\"A\n\x06Sample\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0f\n\x07missing\x18\x02 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04xxh3\x18\x04 \x01(\x06\"1\n\x0cHelloRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\r\"B\n\nHelloReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\r\x12\x11\n\tsame_plan\x18\x03 \x01(\x08\x32\x8a\x01\n\x04Peer\x12?\n\x05\x46\x65tch\x12\x1c.fsd.cluster.v1.FetchRequest\x1a\x16.fsd.cluster.v1.Sample0\x01\x12\x41\n\x05Hello\x12\x1c.fsd.cluster.v1.HelloRequest\x1a\x1a.fsd.cluster.v1.HelloReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fsd.cluster.peer_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FETCHREQUEST']._serialized_start=42
-  _globals['_FETCHREQUEST']._serialized_end=104
-  _globals['_SAMPLE']._serialized_start=106
-  _globals['_SAMPLE']._serialized_end=171
-  _globals['_HELLOREQUEST']._serialized_start=173
-  _globals['_HELLOREQUEST']._serialized_end=222
-  _globals['_HELLOREPLY']._serialized_start=224
-  _globals['_HELLOREPLY']._serialized_end=290
-  _globals['_PEER']._serialized_start=293
-  _globals['_PEER']._serialized_end=431
+  _globals['_FETCHREQUEST']._serialized_end=118
+  _globals['_SAMPLE']._serialized_start=120
+  _globals['_SAMPLE']._serialized_end=185
+  _globals['_HELLOREQUEST']._serialized_start=187
+  _globals['_HELLOREQUEST']._serialized_end=236
+  _globals['_HELLOREPLY']._serialized_start=238
+  _globals['_HELLOREPLY']._serialized_end=304
+  _globals['_PEER']._serialized_start=307
+  _globals['_PEER']._serialized_end=445
 # @@protoc_insertion_point(module_scope)

@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FetchRequest(_message.Message):
-    __slots__ = ("fingerprint", "node", "ids")
+    __slots__ = ("fingerprint", "node", "ids", "down")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
+    DOWN_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     node: int
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, fingerprint: _Optional[str] = ..., node: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    down: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, fingerprint: _Optional[str] = ..., node: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., down: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("id", "missing", "data", "xxh3")

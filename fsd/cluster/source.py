@@ -54,6 +54,10 @@ AHEAD_FILES = 16
 """Most files asked for ahead of their fetch (look-ahead) and not taken yet ..."""
 AHEAD_BYTES = 4 << 20
 """... and their most bytes: memory beyond the node's tier budget."""
+DOWN_EVERY_S = 0.2
+"""How often the set of peers taken as down (breaker open) is looked at again."""
+MAPS_MAX = 8
+"""Owner maps kept, one per down set seen (the first, with every node up, always)."""
 
 
 class PfsFiles(Protocol):
@@ -162,6 +166,8 @@ class SourceCounters:
     fallback_bytes: int = 0      # of pfs_bytes: files another node owns (it did not deliver)
     fallback_files: int = 0
     served_pfs_reads: int = 0    # owned files read from the PFS because a peer asked
+    reowned_files: int = 0       # files read whose owner was down: from the node that owns them now, or here
+    served_reowned: int = 0      # files served to a peer that took their owner as down
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -229,8 +235,10 @@ class _Batcher:
 class _OwnerQueue:
     """One owner's requests from the fetch threads, gathered into batches that the :class:`_Batcher` runs."""
 
-    def __init__(self, client: PeerClient, max_batch: int, grace_until: float, batcher: _Batcher) -> None:
+    def __init__(self, client: PeerClient, max_batch: int, grace_until: float, batcher: _Batcher,
+                 down_of: Callable[[], frozenset[int]]) -> None:
         self.client = client
+        self.down_of = down_of  # the nodes this node takes as down: sent with each batch
         self.max_batch = max_batch
         self.grace_until = grace_until
         self.batcher = batcher
@@ -307,7 +315,7 @@ class _OwnerQueue:
         """One batch call (a batcher thread, no lock held); every slot is answered, None: the PFS."""
         try:
             if slots and self._ready():
-                for fid, data in self.client.fetch(list(slots)):
+                for fid, data in self.client.fetch(list(slots), self.down_of()):
                     for s in slots.pop(fid, ()):
                         s.data = data
                         s.event.set()
@@ -326,9 +334,17 @@ class ClusterSource:
 
     def __init__(self, node_index: int, own: Ownership, sizes: np.ndarray, pfs: PfsFiles, peers: Peers,
                  store: OwnedStore, recent: RecentBuffer, counters: SourceCounters, *, fetch_timeout: float,
-                 connect_timeout: float, max_batch: int) -> None:
+                 connect_timeout: float, max_batch: int,
+                 reown: Callable[[frozenset[int]], Ownership] | None = None) -> None:
         self.node = node_index
-        self.own = own
+        self.own = own  # every node up
+        self.reown = reown  # the owner map with some nodes down (None: the files of a down node are read from the PFS)
+        self._maps: OrderedDict[frozenset[int], Ownership] = OrderedDict({frozenset(): own})
+        self._map_lock = threading.Lock()  # one map computed at a time
+        self._down: frozenset[int] = frozenset()
+        self._down_at = 0.0
+        self._down_lock = threading.Lock()
+        self._open_since: dict[int, float] = {}  # peer -> when its breaker was first seen open
         self.sizes = sizes
         self.pfs = pfs
         self.store = store
@@ -337,15 +353,67 @@ class ClusterSource:
         self.wait_s = 2 * fetch_timeout + connect_timeout  # a batch before ours, then ours
         grace_until = time.monotonic() + fetch_timeout
         self.batcher = _Batcher(min(BATCH_POOL_MAX, BATCH_THREADS * len(peers.clients)))
-        self.queues = {k: _OwnerQueue(c, max_batch, grace_until, self.batcher) for k, c in peers.clients.items()}
+        self.queues = {k: _OwnerQueue(c, max_batch, grace_until, self.batcher, self.down)
+                       for k, c in peers.clients.items()}
         self._inflight: dict[int, threading.Event] = {}
-        self._ahead: OrderedDict[int, tuple[_Slot, float]] = OrderedDict()  # fid -> (slot, asked at)
+        self._ahead: OrderedDict[int, tuple[_Slot, float, int]] = OrderedDict()  # fid -> (slot, asked at, of whom)
         self._ahead_bytes = 0
         self._lock = threading.Lock()
         self.closed = False
 
     def owns(self, fid: int) -> bool:
         return 0 <= fid < len(self.own.owner) and int(self.own.owner[fid]) == self.node
+
+    # ------------------------------------------------------------------ membership
+    def down(self) -> frozenset[int]:
+        """The peers taken as down: their breaker is open (batches to them kept failing). One that has
+        been open for its breaker's reset time is asked ``Hello``; if it answers with our plan (it came
+        back, or joined late) its breaker closes and its files are its own again."""
+        now = time.monotonic()
+        if now - self._down_at < DOWN_EVERY_S or not self._down_lock.acquire(blocking=False):
+            return self._down
+        try:
+            out = set()
+            for k, q in self.queues.items():
+                b = q.client.breaker
+                if b.current_state != "open":
+                    self._open_since.pop(k, None)
+                    continue
+                since = self._open_since.setdefault(k, now)
+                if now - since >= b.reset_timeout:
+                    self._open_since[k] = now  # the next probe after another reset time
+                    if q.client.hello() == st.UP:
+                        b.close()
+                        log.info("cluster: node %d is back; its files are its own again", k)
+                        continue
+                out.add(k)
+            if frozenset(out) != self._down:
+                log.warning("cluster: nodes taken as down: %s", sorted(out) or "none")
+            self._down, self._down_at = frozenset(out), time.monotonic()
+            return self._down
+        finally:
+            self._down_lock.release()
+
+    def owner_map(self, down: frozenset[int]) -> Ownership:
+        """The owner map with the nodes of *down* down (computed once per set, the same on every node);
+        the map with every node up where it cannot be computed."""
+        got = self._maps.get(down)
+        if got is not None or self.reown is None:
+            return got if got is not None else self.own
+        with self._map_lock:
+            got = self._maps.get(down)
+            if got is None:
+                try:
+                    got = self.reown(down)
+                except ValueError as e:  # every node down, say
+                    log.warning("cluster: no owner map with nodes %s down: %s", sorted(down), e)
+                    return self.own
+                moved = int(np.count_nonzero(got.owner != self.own.owner))
+                log.info("cluster: with nodes %s down, %d files have another owner", sorted(down), moved)
+                self._maps[down] = got
+                while len(self._maps) > MAPS_MAX:
+                    del self._maps[next(k for k in self._maps if k)]
+            return got
 
     # ------------------------------------------------------------------ this node's fetches
     def read(self, fid: int, queued: Sequence[int] = ()) -> bytes:
@@ -354,13 +422,17 @@ class ClusterSource:
         *queued*: the cache's fetches queued after this one (access order, staging reserved for
         them); those of other owners are asked for now, in the same batches (look-ahead), and
         taken from here when their fetch runs."""
-        if self.owns(fid):
-            (data, _), local = self._owned(fid, for_peer=False)
+        own = self.owner_map(self.down())
+        owner = int(own.owner[fid]) if 0 <= fid < len(own.owner) else -1
+        reowned = 0 <= fid < len(own.owner) and owner != int(self.own.owner[fid])
+        if reowned:
+            self.counters.add(reowned_files=1)
+        if owner == self.node:
+            (data, _), local = self._owned(fid, own, for_peer=False)
             if local:
                 self.counters.add(local_bytes=len(data), local_files=1)
-            self._ask_ahead(queued)
+            self._ask_ahead(own, queued)
             return data
-        owner = int(self.own.owner[fid]) if 0 <= fid < len(self.own.owner) else -1
         q = self.queues.get(owner)
         data = None
         if q is not None and not self.closed:
@@ -368,8 +440,9 @@ class ClusterSource:
                 got = self._ahead.pop(fid, None)
                 if got is not None:
                     self._ahead_bytes -= int(self.sizes[fid])
-            slot = got[0] if got is not None else None
-            mine = self._ask_ahead(queued, (owner, fid) if slot is None else None)
+            # asked of a node that no longer owns it (taken as down since): ask the owner now
+            slot = got[0] if got is not None and got[2] == owner else None
+            mine = self._ask_ahead(own, queued, (owner, fid) if slot is None else None)
             data = q.wait(slot if slot is not None else mine, self.wait_s)  # type: ignore[arg-type]
         if data is not None and len(data) != int(self.sizes[fid]):  # not the file the plan knows
             self.queues[owner].client.stats.add(bad_samples=1)
@@ -383,11 +456,11 @@ class ClusterSource:
         self.counters.add(pfs_bytes=len(data), pfs_files=1, fallback_bytes=len(data), fallback_files=1)
         return data
 
-    def _ask_ahead(self, queued: Sequence[int], first: tuple[int, int] | None = None) -> _Slot | None:
-        """Ask the owners for the queued files of theirs not asked for yet (at most ``AHEAD_FILES``
-        outstanding; the oldest untaken go first), each owner's in one request; *first*
+    def _ask_ahead(self, own: Ownership, queued: Sequence[int], first: tuple[int, int] | None = None) -> _Slot | None:
+        """Ask the owners (in *own*) for the queued files of theirs not asked for yet (at most
+        ``AHEAD_FILES`` outstanding; the oldest untaken go first), each owner's in one request; *first*
         ``(owner, fid)`` goes at the head of its owner's. Returns *first*'s slot."""
-        owner = self.own.owner
+        owner = own.owner
         n = len(owner)
         asks: dict[int, list[int]] = {first[0]: [first[1]]} if first is not None else {}
         with self._lock:
@@ -420,11 +493,11 @@ class ClusterSource:
                     if first is not None and (k, f) == first:
                         mine = slot
                         continue
-                    self._ahead[f] = (slot, now)
+                    self._ahead[f] = (slot, now, k)
         return mine
 
-    def _owned(self, fid: int, for_peer: bool) -> tuple[Sample, bool]:
-        """An owned file: ``(sample, from memory)``; read from the PFS by one thread at a time."""
+    def _owned(self, fid: int, own: Ownership, for_peer: bool) -> tuple[Sample, bool]:
+        """An owned file (in *own*): ``(sample, from memory)``; read from the PFS by one thread at a time."""
         while True:
             d = self.store.get(fid)
             if d is None:
@@ -442,7 +515,7 @@ class ClusterSource:
             try:
                 sample = pfs_sample(self.pfs, fid)
                 self.counters.add(pfs_bytes=len(sample[0]), pfs_files=1, served_pfs_reads=int(for_peer))
-                if not (self.own.cached[fid] and self.store.put(fid, sample)):
+                if not (own.cached[fid] and self.store.put(fid, sample)):
                     self.recent.put(fid, sample)
                 return sample, False
             finally:
@@ -451,12 +524,16 @@ class ClusterSource:
                 ev.set()
 
     # ------------------------------------------------------------------ a peer's request
-    def serve(self, fid: int) -> Sample | None:
-        """*fid*'s sample for a peer (grpc thread): owned files, or a recent copy; else None."""
-        if self.closed:
+    def serve(self, fid: int, down: frozenset[int] = frozenset()) -> Sample | None:
+        """*fid*'s sample for a peer that takes the nodes of *down* as down (grpc thread): files this
+        node owns in that peer's map, or a recent copy; else None."""
+        if self.closed or not 0 <= fid < len(self.own.owner):
             return None
-        if self.owns(fid):
-            return self._owned(fid, for_peer=True)[0]
+        own = self.owner_map(down - {self.node}) if down else self.own
+        if int(own.owner[fid]) == self.node:
+            if int(self.own.owner[fid]) != self.node:
+                self.counters.add(served_reowned=1)
+            return self._owned(fid, own, for_peer=True)[0]
         return self.recent.get(fid)
 
     def invalidate(self, fid: int) -> None:
@@ -468,7 +545,8 @@ class ClusterSource:
                 self._ahead_bytes -= int(self.sizes[fid])
 
     def status(self) -> dict[str, Any]:
-        return {"owned_files": int(np.count_nonzero(self.own.owner == self.node)),
+        return {"down": sorted(self._down),
+                "owned_files": int(np.count_nonzero(self.own.owner == self.node)),
                 "owned_cached_files": int(np.count_nonzero((self.own.owner == self.node) & self.own.cached)),
                 "store_files": len(self.store), "store_bytes": self.store.used,
                 "store_capacity": self.store.capacity}

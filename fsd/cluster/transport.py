@@ -46,8 +46,9 @@ from .config import ClusterConfig, TlsFiles
 
 log = logging.getLogger(__name__)
 
-ServeFn = Callable[[int], "bytes | bytearray | memoryview | tuple[bytes, int] | None"]
-"""A file's bytes for a peer, with their XXH3-64 where known (else computed here); None: not here."""
+ServeFn = Callable[[int, frozenset[int]], "bytes | bytearray | memoryview | tuple[bytes, int] | None"]
+"""A file's bytes for a peer that takes the nodes of the set as down, with their XXH3-64 where known
+(else computed here); None: not here."""
 SERVICE = "fsd.cluster.v1.Peer"
 MAX_MESSAGE = 1 << 30
 """Largest sample a peer sends or accepts (grpc's default is 4 MiB)."""
@@ -119,11 +120,12 @@ class _Servicer(peer_pb2_grpc.PeerServicer):
                 peer.add(served_refused=1)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"a batch holds at most {s.max_batch} ids, each below {s.n_files}")
+        down = frozenset(int(k) for k in request.down)
         for fid in ids:
             if not context.is_active():
                 return
             try:
-                got = s.serve(int(fid))
+                got = s.serve(int(fid), down)
                 data, digest = got if isinstance(got, tuple) else (got, None)
                 if data is not None and not isinstance(data, (bytes, bytearray, memoryview)):
                     raise TypeError(f"serve returned {type(data).__name__}")
@@ -278,36 +280,38 @@ class PeerClient:
             self.stats.set_state(st.UP)
         return self.stats.state
 
-    def fetch(self, ids: Iterable[int]) -> Iterator[tuple[int, bytes | None]]:
+    def fetch(self, ids: Iterable[int], down: frozenset[int] = frozenset()) -> Iterator[tuple[int, bytes | None]]:
         """Every id of *ids* exactly once, in arrival order, as ``(id, bytes)`` or ``(id, None)``.
 
         None means: read it from the PFS (the peer lacks it, refused, is down, slow or
-        backing off). Batches of ``max_batch`` ids, each bounded by ``fetch_timeout``.
+        backing off). Batches of ``max_batch`` ids, each bounded by ``fetch_timeout``. *down*: the
+        nodes this node takes as down (the peer serves the files it owns without them).
         """
         _not_on_trio()
         want = list(dict.fromkeys(int(i) for i in ids))
         for a in range(0, len(want), self.max_batch):
-            yield from self._batch(want[a:a + self.max_batch])
+            yield from self._batch(want[a:a + self.max_batch], down)
 
-    def _batch(self, ids: list[int]) -> Iterator[tuple[int, bytes | None]]:
+    def _batch(self, ids: list[int], down: frozenset[int]) -> Iterator[tuple[int, bytes | None]]:
         pending = dict.fromkeys(ids)
         fp = self._fingerprint()
         if fp is None:
             self.stats.set_state(st.PLAN_DIFFERS, "no plan yet")
         else:
-            yield from self._call(ids, pending, fp)
+            yield from self._call(ids, pending, fp, down)
         if pending:
             self.stats.add(fallbacks=len(pending))
             for i in pending:
                 yield i, None
 
-    def _call(self, ids: list[int], pending: dict[int, None], fp: str) -> Iterator[tuple[int, bytes | None]]:
+    def _call(self, ids: list[int], pending: dict[int, None], fp: str,
+              down: frozenset[int]) -> Iterator[tuple[int, bytes | None]]:
         t0 = time.monotonic()
         first: float | None = None
         call = None
         try:
             with self.breaker.calling():
-                req = peer_pb2.FetchRequest(fingerprint=fp, node=self.self_node, ids=ids)
+                req = peer_pb2.FetchRequest(fingerprint=fp, node=self.self_node, ids=ids, down=sorted(down))
                 call = self._stub.Fetch(req, timeout=self.fetch_timeout, metadata=self._sign("Fetch", req))
                 for msg in call:
                     if msg.id not in pending:  # a peer cannot make us yield what we did not ask for

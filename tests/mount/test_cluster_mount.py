@@ -24,6 +24,7 @@ from torch.utils.data import DistributedSampler
 from fsd.cluster import auth, peer_pb2, peer_pb2_grpc
 from fsd.cluster.config import read_secret
 from fsd.cluster.transport import PeerServer, checksum
+from fsd.data.memory import drop_cached
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(180)]
 
@@ -53,7 +54,8 @@ class Cluster:
     """Two nodes' config files (same list, same secret) and their mounts."""
 
     def __init__(self, tmp: Path, mounter, *, capacity: str = "4M", metrics: bool = False,
-                 mounted: tuple[int, ...] = (0, 1)) -> None:
+                 mounted: tuple[int, ...] = (0, 1), n: int = 2) -> None:
+        self.n = n
         self.tmp = tmp
         self.src = tmp / "src"
         self.files = _dataset(self.src)
@@ -61,7 +63,7 @@ class Cluster:
         self.secret = secret = tmp / "secret"
         secret.write_text("test-secret-0123456789\n")
         secret.chmod(0o600)
-        self.ports = [_free_port(), _free_port()]
+        self.ports = [_free_port() for _ in range(n)]
         self.metrics_port = _free_port() if metrics else None
         nodes = json.dumps([f"127.0.0.1:{p}" for p in self.ports])
         self.mnts: dict[int, Path] = {}
@@ -79,19 +81,23 @@ class Cluster:
             self.mnts[i] = mnt
 
     def plan(self, i: int, **over) -> dict:
-        return {"seed": SEED, "epochs": EPOCHS, "sampler": "distributed", "num_replicas": 2, "ranks": [i],
+        return {"seed": SEED, "epochs": EPOCHS, "sampler": "distributed", "num_replicas": self.n, "ranks": [i],
                 "order": "imagefolder", "batch_size": 4, "num_workers": 0} | over
 
     def status(self, i: int) -> dict:
         return self.mounts[i].status()["cluster"]
 
     def order(self, rank: int, epoch: int, seed: int = SEED) -> list[Path]:
-        s = DistributedSampler(list(range(len(self.files))), num_replicas=2, rank=rank, shuffle=True, seed=seed)
+        s = DistributedSampler(list(range(len(self.files))), num_replicas=self.n, rank=rank, shuffle=True, seed=seed)
         s.set_epoch(epoch)
         return [self.files[k].relative_to(self.src) for k in s]
 
-    def read_exact(self, node: int, rels: list[Path]) -> None:
+    def read_exact(self, node: int, rels: list[Path], cold: bool = False) -> None:
+        """Read *rels* through *node*'s mount and compare; *cold*: drop their pages first, so that every
+        read reaches the daemon."""
         for rel in rels:
+            if cold:
+                drop_cached(str(self.mnts[node] / rel))
             assert (self.mnts[node] / rel).read_bytes() == self.expect[rel], f"node {node}: {rel} differs"
 
 
@@ -161,6 +167,48 @@ def test_a_peer_killed_mid_read_falls_back_to_the_pfs(tmp_path: Path, mounter) -
     assert peer["state"] != "up" and peer["errors"] + peer["timeouts"] + peer["skipped_batches"] > 0
 
 
+def test_a_dead_nodes_files_are_re_owned_by_the_others_and_a_node_that_comes_back_is_taken_back(
+        tmp_path: Path, mounter) -> None:
+    """Three nodes; node 2 is killed. Once its breaker opens at nodes 0 and 1, both take it as down and
+    compute the same owner map without it: its files have owners among them, each read from the PFS
+    by its new owner and fetched from it by the other, not read by both (a fallback). Node 2 mounted
+    again with the same plan is asked Hello after the breaker's reset time and owns its files again."""
+    c = Cluster(tmp_path, mounter, n=3, mounted=(0, 1, 2))
+    for i in range(3):
+        c.mounts[i].control(c.plan(i))
+    for i in range(3):
+        assert wait_for(lambda i=i: c.status(i)["sharing"])
+    c.read_exact(0, c.order(0, 0))
+    os.killpg(c.mounts[2].proc.pid, signal.SIGKILL)
+    c.mounts[2].proc.wait(30)
+    c.mounts[2].close()  # the dead mount point goes; node 2 is mounted there again below
+    # every node asks node 2 for its files until its breaker opens (3 failed batches): then it is down
+
+    def down_at_both(want: list[int]) -> bool:
+        for node in (0, 1):  # reads make the nodes look at their down sets again
+            c.read_exact(node, c.order(node, 1)[:8], cold=True)
+        return c.status(0)["store"]["down"] == want and c.status(1)["store"]["down"] == want
+
+    assert wait_for(lambda: down_at_both([2]), timeout=60)
+    before = [c.status(i)["source"] for i in (0, 1)]
+    for epoch in range(EPOCHS):  # the same plan read again (files owned by node 2 among them)
+        c.read_exact(0, c.order(0, epoch), cold=True)
+        c.read_exact(1, c.order(1, epoch), cold=True)
+    after = [c.status(i)["source"] for i in (0, 1)]
+    reowned = sum(a["reowned_files"] - b["reowned_files"] for a, b in zip(after, before))
+    fallbacks = sum(a["fallback_files"] - b["fallback_files"] for a, b in zip(after, before))
+    served = sum(a["served_reowned"] for a in after)
+    print(f"re-owned reads {reowned}, served re-owned {served}, fallbacks {fallbacks}")
+    assert reowned > 0 and served > 0 and fallbacks == 0
+    # node 2 comes back with the same plan: taken back once its breaker's reset time has passed
+    cfg2 = tmp_path / "node2.toml"
+    c.mounts[2] = mounter(["--data", c.src, "--at", c.mnts[2], "--ram-cache", "256K", "--cluster", cfg2], c.mnts[2])
+    c.mounts[2].control(c.plan(2))
+    assert wait_for(lambda: c.status(2)["sharing"])
+
+    assert wait_for(lambda: down_at_both([]), timeout=60)
+
+
 def test_plans_that_differ_are_not_shared(tmp_path: Path, mounter) -> None:
     c = Cluster(tmp_path, mounter)
     c.mounts[0].control(c.plan(0))
@@ -198,7 +246,7 @@ def test_corrupt_samples_from_a_peer_are_read_from_the_pfs_and_counted(tmp_path:
     c = Cluster(tmp_path, mounter, mounted=(1,))
     files = [p.read_bytes() for p in c.files]  # file id = place in the plan's (imagefolder) order
 
-    def serve(fid: int) -> tuple[bytes, int]:
+    def serve(fid: int, down: frozenset[int]) -> tuple[bytes, int]:
         good = files[fid]
         if fid % 2:
             return good + b"!", checksum(good + b"!")

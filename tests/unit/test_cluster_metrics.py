@@ -30,7 +30,7 @@ def test_metrics_show_the_peer_counters(tmp_path: Path) -> None:
     sf.chmod(0o600)
     ports = [_port(), _port()]
     nodes = [ClusterNode(parse_cluster({"node": k, "nodes": [f"127.0.0.1:{p}" for p in ports],
-                                        "secret_file": str(sf)}), lambda i: b"x" * (i + 1), n_files=10,
+                                        "secret_file": str(sf)}), lambda i, down: b"x" * (i + 1), n_files=10,
                          fingerprint="a" * 64) for k in range(2)]
     m = None
     try:

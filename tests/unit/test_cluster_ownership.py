@@ -249,3 +249,24 @@ def test_fingerprint_covers_what_the_map_depends_on() -> None:
     ]
     assert base not in others and len(set(others)) == len(others)
     assert hashlib.sha256(base.encode()).hexdigest()  # plain text, comparable across nodes
+
+
+def test_a_node_down_owns_nothing_and_mostly_its_own_files_move() -> None:
+    """The map under a down set (every live node computes the same from the same set): the down
+    node owns no file, every file has a live owner, and of the others' files few move (the cached
+    set shrinks by the down node's capacity; the rings keep the live nodes' points)."""
+    rng = np.random.default_rng(1)
+    n = 20000
+    sizes = rng.integers(1000, 200_000, n)
+    demand = rng.integers(0, 5, n)
+    for frac in (0.2, 1.0):
+        caps = [int(sizes.sum() * frac)] * 4
+        base = compute_ownership(sizes, demand, caps)
+        down = compute_ownership(sizes, demand, caps, [True, True, False, True])
+        again = compute_ownership(sizes, demand, caps, [True, True, False, True])
+        assert np.array_equal(down.owner, again.owner)
+        assert not (down.owner == 2).any() and (down.owner >= 0).all()
+        moved = (base.owner != 2) & (base.owner != down.owner)
+        assert moved.mean() < 0.05, (frac, moved.mean())
+    with pytest.raises(ValueError):
+        compute_ownership(sizes, demand, [1, 1], [False, False])

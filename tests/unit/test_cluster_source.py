@@ -51,7 +51,7 @@ def test_reads_through_many_peers_are_exact_on_a_bounded_pool(tmp_path: Path) ->
         if k == peers:
             continue  # the last peer is down: its files come from the PFS
         s = PeerServer(f"127.0.0.1:{ports[k]}", SECRET, k, n_files=n, fingerprint=FP,
-                       serve=lambda i: files.data[i])
+                       serve=lambda i, down: files.data[i])
         s.start()
         servers.append(s)
     cfg = ClusterConfig(index=0, nodes=tuple(f"127.0.0.1:{p}" for p in ports), secret_file=tmp_path / "s",

@@ -34,7 +34,7 @@ DATA = {i: (np.random.default_rng(i).integers(0, 256, 1000 + 37 * i, dtype=np.ui
 pytestmark = pytest.mark.timeout(120)
 
 
-def _serve(fid: int) -> bytes | memoryview | None:
+def _serve(fid: int, down: frozenset[int]) -> bytes | memoryview | None:
     if fid % 10 == 9:
         return None  # not available on this node
     if fid % 2:
@@ -136,7 +136,7 @@ def test_plan_differs(server: PeerServer) -> None:
 def test_only_dataset_ids(tmp_path: Path) -> None:
     asked: list[int] = []
 
-    def serve(fid: int) -> bytes:
+    def serve(fid: int, down: frozenset[int]) -> bytes:
         asked.append(fid)
         return b"x"
 
@@ -164,7 +164,7 @@ def test_only_dataset_ids(tmp_path: Path) -> None:
 
 
 def test_serve_errors_become_missing() -> None:
-    def serve(fid: int):
+    def serve(fid: int, down: frozenset[int]):
         if fid == 1:
             raise OSError("disk gone")
         return "not bytes" if fid == 2 else b"ok"
@@ -206,7 +206,7 @@ def test_down_peer_falls_back_backs_off_and_comes_back() -> None:
 def test_slow_peer_times_out() -> None:
     release = threading.Event()
 
-    def serve(fid: int) -> bytes:
+    def serve(fid: int, down: frozenset[int]) -> bytes:
         if fid >= 2:
             release.wait(30)
         return DATA[fid]
@@ -266,7 +266,7 @@ def test_cluster_nodes_fetch_many(tmp_path: Path) -> None:
     nodes = []
     try:
         for k in range(3):
-            def serve(fid: int, k: int = k) -> bytes:
+            def serve(fid: int, down: frozenset[int], k: int = k) -> bytes:
                 return bytes([k]) + DATA[fid]
             n = ClusterNode(_cfg(tmp_path, k, ports), serve, n_files=N, fingerprint=FP)
             n.start()
@@ -342,7 +342,7 @@ def test_a_sample_that_fails_its_checksum_falls_back() -> None:
     bytes changed since is not used (the caller reads the PFS) and is counted."""
     good = b"the PFS's bytes"
 
-    def serve(fid: int) -> tuple[bytes, int]:
+    def serve(fid: int, down: frozenset[int]) -> tuple[bytes, int]:
         return (good, checksum(good)) if fid == 0 else (b"bytes that changed", checksum(good))
 
     s = PeerServer("127.0.0.1:0", SECRET, 0, n_files=5, serve=serve, fingerprint=FP)
@@ -381,7 +381,7 @@ def test_mutual_tls_serves_the_cluster_and_refuses_other_certificates(tmp_path: 
     ca = _ca(tmp_path, "ca")
     server_tls, client_tls = _node_cert(tmp_path, "n0", ca), _node_cert(tmp_path, "n1", ca)
     stranger = _node_cert(tmp_path, "x", _ca(tmp_path, "other-ca"))
-    s = PeerServer("127.0.0.1:0", SECRET, 0, n_files=5, serve=lambda i: b"data %d" % i, fingerprint=FP,
+    s = PeerServer("127.0.0.1:0", SECRET, 0, n_files=5, serve=lambda i, down: b"data %d" % i, fingerprint=FP,
                    tls=server_tls)
     s.start()
     clients = [_client(s.port, tls=client_tls, connect_timeout=2, fetch_timeout=5),
