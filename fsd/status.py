@@ -71,6 +71,10 @@ def cluster_lines(doc: dict[str, Any]) -> list[str]:
     fp = cl.get("fingerprint") or ""
     how = f"sharing plan {fp[:12]}" if cl.get("sharing") else f"not sharing: {cl.get('not_sharing_because')}"
     b = cl.get("bytes") or {}
+    down = (cl.get("store") or {}).get("down")
+    src = cl.get("source") or {}
+    if down:
+        how += f"; nodes {down} down: {src.get('reowned_files', 0)} of their files read re-owned"
     out = [f"cluster: node {cl.get('node')} of {len(cl.get('nodes') or [])} ({cl.get('listen')}), {how}",
            f"cluster bytes: PFS {_mib(b.get('pfs'))}, peers {_mib(b.get('peers'))}, local store "
            f"{_mib(b.get('local_store'))}, served to peers {_mib(b.get('served_to_peers'))}"]

@@ -200,6 +200,9 @@ def test_a_dead_nodes_files_are_re_owned_by_the_others_and_a_node_that_comes_bac
     served = sum(a["served_reowned"] for a in after)
     print(f"re-owned reads {reowned}, served re-owned {served}, fallbacks {fallbacks}")
     assert reowned > 0 and served > 0 and fallbacks == 0
+    out = subprocess.run([sys.executable, "-m", "fsd.cli", "status", str(c.mnts[0])], capture_output=True,
+                         text=True, cwd=REPO, timeout=60).stdout
+    assert "nodes [2] down" in out, out
     # node 2 comes back with the same plan: taken back once its breaker's reset time has passed
     cfg2 = tmp_path / "node2.toml"
     c.mounts[2] = mounter(["--data", c.src, "--at", c.mnts[2], "--ram-cache", "256K", "--cluster", cfg2], c.mnts[2])
