@@ -28,6 +28,7 @@ _PEER_COUNTERS = {
     "fallbacks": "Ids read from the PFS instead of the peer",
     "errors": "Failed batch calls to the peer",
     "timeouts": "Batch calls to the peer past their deadline",
+    "hedged": "Samples read from the PFS after the hedge bound instead of waiting for the slow peer",
     "refusals": "Batch calls the peer refused (secret or plan)",
     "skipped_batches": "Batches not tried: the peer's breaker was open",
     "bad_samples": "Samples from the peer that failed their checksum or size (read from the PFS instead)",

@@ -54,6 +54,11 @@ AHEAD_FILES = 16
 """Most files asked for ahead of their fetch (look-ahead) and not taken yet ..."""
 AHEAD_BYTES = 4 << 20
 """... and their most bytes: memory beyond the node's tier budget."""
+HEDGE_MIN_S = 0.5
+HEDGE_FACTOR = 8
+"""A sample not there within ``HEDGE_FACTOR`` times its owner's batch latency (an EWMA; at least
+``HEDGE_MIN_S``) is read from the PFS instead: a slow owner costs a bounded wait, not the fetch bound.
+Lower would read the PFS for samples queued behind a peer's other batches (two run at once)."""
 DOWN_EVERY_S = 0.2
 """How often the set of peers taken as down (breaker open) is looked at again."""
 MAPS_MAX = 8
@@ -264,9 +269,12 @@ class _OwnerQueue:
         return slots
 
     def wait(self, slot: _Slot, wait_s: float) -> bytes | None:
-        """The slot's bytes, or None (read the PFS instead) if they are not there within *wait_s*."""
-        if not slot.event.wait(wait_s):
-            self.client.stats.add(timeouts=1)
+        """The slot's bytes, or None (read the PFS instead) if they are not there within *wait_s*, or the
+        hedge bound (``HEDGE_FACTOR`` times the owner's batch latency) if shorter."""
+        lat = self.client.stats.latency_ewma_s
+        hedge = wait_s if lat is None else min(wait_s, max(HEDGE_MIN_S, HEDGE_FACTOR * lat))
+        if not slot.event.wait(hedge):
+            self.client.stats.add(**({"hedged": 1} if hedge < wait_s else {"timeouts": 1}))
             return None
         return slot.data
 

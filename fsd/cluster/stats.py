@@ -44,6 +44,7 @@ class PeerStats:
     skipped_batches: int = 0    # batches not even tried: the breaker was open
     errors: int = 0
     timeouts: int = 0
+    hedged: int = 0             # samples not waited for past the hedge bound (slow owner): read from the PFS
     refusals: int = 0           # calls it refused (secret or plan)
     bad_samples: int = 0        # samples that failed their checksum or size: read from the PFS instead
     served_samples: int = 0

@@ -90,3 +90,42 @@ def test_reads_through_many_peers_are_exact_on_a_bounded_pool(tmp_path: Path) ->
     for t in src.batcher.threads:
         t.join(10)
     assert not any(t.is_alive() for t in src.batcher.threads)
+
+
+def test_a_slow_owner_is_hedged_with_a_pfs_read(tmp_path: Path) -> None:
+    """An owner that answers the first batches and then hangs on one file: once its batch latency is
+    known, a sample it holds back is read from the PFS after the hedge bound, not after the fetch bound,
+    and counted as hedged (the hung call ends at its deadline)."""
+    n = 8
+    files = Files(n)
+    owner = np.ones(n, dtype=np.int32)  # node 1 owns everything
+    ports = [_port(), _port()]
+    release = threading.Event()
+
+    def serve(i: int, down: frozenset[int]) -> bytes:
+        if i == n - 1:
+            release.wait(30)  # hangs until the test ends
+        return files.data[i]
+
+    s = PeerServer(f"127.0.0.1:{ports[1]}", SECRET, 1, n_files=n, fingerprint=FP, serve=serve)
+    s.start()
+    cfg = ClusterConfig(index=0, nodes=tuple(f"127.0.0.1:{p}" for p in ports), secret_file=tmp_path / "s",
+                        secret=SECRET, listen=f"127.0.0.1:{ports[0]}", fetch_timeout=20.0, connect_timeout=1.0,
+                        backoff_max=2.0, max_batch=16)
+    p = Peers(cfg, FP)
+    src = ClusterSource(0, Ownership(owner=owner, cached=np.zeros(n, bool), nodes=2),
+                        np.array([len(d) for d in files.data]), files, p, OwnedStore(0), RecentBuffer(),
+                        SourceCounters(), fetch_timeout=20.0, connect_timeout=1.0, max_batch=16)
+    try:
+        for fid in range(n - 1):  # answered: the owner's batch latency is known now
+            assert src.read(fid) == files.data[fid]
+        client = p.clients[1]
+        assert client.stats.latency_ewma_s is not None and files.reads == 0
+        assert src.read(n - 1) == files.data[n - 1]  # held back: from the PFS after the hedge bound
+        assert files.reads == 1 and client.stats.hedged == 1 and client.stats.timeouts == 0
+        assert src.counters.snapshot()["fallback_files"] == 1
+    finally:
+        release.set()
+        src.close()
+        p.close()
+        s.stop(0)
