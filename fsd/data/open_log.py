@@ -58,23 +58,34 @@ class OpenCounts:
             self._resyncs = tr.resyncs
         base, before = self._at.get(r, (tr.fronts[r], 0))
         opened += before
-        expect = base + opened * len(tr.fronts)  # a rank's accesses are spread evenly over the stream
         p = tr.index.positions(fid)
         if tr.rank_of is not None:
             p = p[tr.rank_of[p] == r]
-        k = int(np.searchsorted(p, expect))
+        # the rank's accesses of the file around *opened* of its accesses past *base* (about that many
+        # times the node's ranks positions on: its accesses are spread evenly), counted exactly
+        k = int(np.searchsorted(p, base + opened * len(tr.fronts)))
         slack = 2 * tr.window + 16
-        near = [c for c in p[max(0, k - 1):k + 1].tolist() if abs(c - expect) <= slack]
+        near = [(abs(self._ahead(r, base, c) - opened), c) for c in p[max(0, k - 2):k + 2].tolist()]
+        near = [x for x in near if x[0] <= slack]
         if not near:  # counted on from the same place; from the front once that is past the slack
             self._at[r] = (base, opened)
             if opened > 4 * slack:
                 del self._at[r]
             self.unplaced += 1
             return None
-        q = min(near, key=lambda c: abs(c - expect))
+        q = min(near)[1]
         self._at[r] = (q, 0)
         tr.put(q, now)
         return q
+
+    def _ahead(self, r: int, base: int, c: int) -> int:
+        """Rank *r*'s accesses after position *base* up to *c* (negative: *c* before *base*)."""
+        ro = self.tr.rank_of
+        if ro is None:
+            return c - base
+        if c >= base:
+            return int(np.count_nonzero(ro[base + 1:c + 1] == r))
+        return -int(np.count_nonzero(ro[c + 1:base + 1] == r))
 
 
 class OpenLog:

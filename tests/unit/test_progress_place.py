@@ -75,3 +75,27 @@ def test_a_diverged_tracker_is_not_placed() -> None:
         tr.observe(int(other[i]), i * 1e-3, 64, 0, 4096)
     assert tr.state == DIVERGED
     assert oc.place(int(ids[50]), 50, 1.0) is None and tr.placed == 0
+
+
+def test_ranks_interleaved_in_batches_are_placed_by_their_own_count() -> None:
+    """Four ranks stepping in batches of 8: a rank's n-th access lies about 4n positions on, give or
+    take a batch of every rank (32) - more than the slack; counting the rank's own accesses is exact."""
+    epochs, world = 4, 4
+    ids, ranks = [], []
+    for e in range(epochs):
+        perm = np.random.default_rng(20 + e).permutation(N)
+        f, r = interleave_epoch(perm.reshape(-1, world).T, np.arange(world), 8)
+        ids.append(f)
+        ranks.append(r)
+    fid, rk = np.concatenate(ids).astype(np.int64), np.concatenate(ranks)
+    tr = ProgressTracker(FileIndex(fid), len(fid), window=2, beacon_every=16, ranks=rk,
+                         epoch_bounds=np.arange(epochs + 1) * N)
+    oc = OpenCounts(tr)
+    mine = np.flatnonzero(rk == 2)  # rank 2's accesses, in order
+    done = 0
+    for chunk in (5, 40, 1, 77, 30, 120):
+        done += chunk
+        q = int(mine[done - 1])
+        assert oc.place(int(fid[q]), chunk, done * 1e-3, rank=2) == q
+        assert tr.fronts[2] == q
+    assert oc.unplaced == 0 and tr.fronts[0] == tr.fronts[1] == tr.fronts[3] == -1
