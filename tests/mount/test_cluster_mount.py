@@ -51,12 +51,13 @@ def _dataset(root: Path, classes: int = 4, per_class: int = 30) -> list[Path]:
 
 
 class Cluster:
-    """Two nodes' config files (same list, same secret) and their mounts."""
+    """*n* nodes' config files (same list, same secret) and the mounts of those *mounted* (more: :meth:`mount`)."""
 
     def __init__(self, tmp: Path, mounter, *, capacity: str = "4M", metrics: bool = False,
                  mounted: tuple[int, ...] = (0, 1), n: int = 2) -> None:
         self.n = n
         self.tmp = tmp
+        self.mounter = mounter
         self.src = tmp / "src"
         self.files = _dataset(self.src)
         self.expect = {p.relative_to(self.src): p.read_bytes() for p in self.files}
@@ -68,17 +69,22 @@ class Cluster:
         nodes = json.dumps([f"127.0.0.1:{p}" for p in self.ports])
         self.mnts: dict[int, Path] = {}
         self.mounts: dict[int, Any] = {}
+        for i in range(n):
+            (tmp / f"node{i}.toml").write_text(
+                f"node = {i}\nnodes = {nodes}\nsecret_file = \"{secret}\"\ncapacity = \"{capacity}\"\n"
+                "fetch_timeout = 5.0\nconnect_timeout = 1.0\nbackoff_max = 2.0\n")
+            self.mnts[i] = tmp / f"mnt{i}"
+            self.mnts[i].mkdir()
         for i in mounted:
-            cfg = tmp / f"node{i}.toml"
-            cfg.write_text(f"node = {i}\nnodes = {nodes}\nsecret_file = \"{secret}\"\ncapacity = \"{capacity}\"\n"
-                           "fetch_timeout = 5.0\nconnect_timeout = 1.0\nbackoff_max = 2.0\n")
-            mnt = tmp / f"mnt{i}"
-            mnt.mkdir()
-            args = ["--data", self.src, "--at", mnt, "--ram-cache", "256K", "--cluster", cfg]
-            if metrics and i == 0:
-                args += ["--metrics-port", str(self.metrics_port)]
-            self.mounts[i] = mounter(args, mnt)
-            self.mnts[i] = mnt
+            self.mount(i, metrics=metrics and i == 0)
+
+    def mount(self, i: int, metrics: bool = False) -> Any:
+        """Mount node *i* (again, after its daemon died: :meth:`Mount.close` it first)."""
+        args = ["--data", self.src, "--at", self.mnts[i], "--ram-cache", "256K", "--cluster", self.tmp / f"node{i}.toml"]
+        if metrics:
+            args += ["--metrics-port", str(self.metrics_port)]
+        self.mounts[i] = self.mounter(args, self.mnts[i])
+        return self.mounts[i]
 
     def plan(self, i: int, **over) -> dict:
         return {"seed": SEED, "epochs": EPOCHS, "sampler": "distributed", "num_replicas": self.n, "ranks": [i],
@@ -204,12 +210,33 @@ def test_a_dead_nodes_files_are_re_owned_by_the_others_and_a_node_that_comes_bac
                          text=True, cwd=REPO, timeout=60).stdout
     assert "nodes [2] down" in out, out
     # node 2 comes back with the same plan: taken back once its breaker's reset time has passed
-    cfg2 = tmp_path / "node2.toml"
-    c.mounts[2] = mounter(["--data", c.src, "--at", c.mnts[2], "--ram-cache", "256K", "--cluster", cfg2], c.mnts[2])
-    c.mounts[2].control(c.plan(2))
+    c.mount(2).control(c.plan(2))
     assert wait_for(lambda: c.status(2)["sharing"])
 
     assert wait_for(lambda: down_at_both([]), timeout=60)
+
+
+def test_a_node_that_joins_late_is_taken_in(tmp_path: Path, mounter) -> None:
+    """Node 2 of three is not mounted while nodes 0 and 1 read: its files are re-owned between them
+    once its breaker opens (no fallback after that). When it mounts and writes the same plan, the
+    others take it in after the breaker's reset time, and it serves its own files to them."""
+    c = Cluster(tmp_path, mounter, n=3, mounted=(0, 1))
+    for i in (0, 1):
+        c.mounts[i].control(c.plan(i))
+        assert wait_for(lambda i=i: c.status(i)["sharing"])
+
+    def down_at_both(want: list[int]) -> bool:
+        for node in (0, 1):
+            c.read_exact(node, c.order(node, 1)[:8], cold=True)
+        return c.status(0)["store"]["down"] == want and c.status(1)["store"]["down"] == want
+
+    assert wait_for(lambda: down_at_both([2]), timeout=60)
+    c.mount(2).control(c.plan(2))
+    assert wait_for(lambda: c.status(2)["sharing"])
+    assert wait_for(lambda: down_at_both([]), timeout=60)
+    for epoch in range(EPOCHS):
+        c.read_exact(0, c.order(0, epoch), cold=True)
+    assert c.status(2)["peers"][0]["served_samples"] > 0  # node 2 serves node 0 (peer 0 in its list)
 
 
 def test_plans_that_differ_are_not_shared(tmp_path: Path, mounter) -> None:
