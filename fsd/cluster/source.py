@@ -63,6 +63,10 @@ DOWN_EVERY_S = 0.2
 """How often the set of peers taken as down (breaker open) is looked at again."""
 MAPS_MAX = 8
 """Owner maps kept, one per down set seen (the first, with every node up, always)."""
+PEER_MAP_EVERY_S = 1.0
+"""Least time between two owner maps computed for down sets only peers named (a map costs seconds at a
+thousand nodes: a peer sending ever new sets must not keep this node computing); meanwhile such a
+request is answered ``missing`` and the peer reads the PFS."""
 
 
 class PfsFiles(Protocol):
@@ -353,6 +357,7 @@ class ClusterSource:
         self._down_at = 0.0
         self._down_lock = threading.Lock()
         self._open_since: dict[int, float] = {}  # peer -> when its breaker was first seen open
+        self._peer_map_at = -PEER_MAP_EVERY_S  # when a map was last computed for a peer's down set
         self.sizes = sizes
         self.pfs = pfs
         self.store = store
@@ -402,14 +407,19 @@ class ClusterSource:
         finally:
             self._down_lock.release()
 
-    def owner_map(self, down: frozenset[int]) -> Ownership:
+    def owner_map(self, down: frozenset[int], for_peer: bool = False) -> Ownership | None:
         """The owner map with the nodes of *down* down (computed once per set, the same on every node);
-        the map with every node up where it cannot be computed."""
+        the map with every node up where it cannot be computed. *for_peer*: a set a peer named, which
+        is computed at most every ``PEER_MAP_EVERY_S`` (None meanwhile)."""
         got = self._maps.get(down)
         if got is not None or self.reown is None:
             return got if got is not None else self.own
         with self._map_lock:
             got = self._maps.get(down)
+            if got is None and for_peer:
+                if time.monotonic() - self._peer_map_at < PEER_MAP_EVERY_S:
+                    return None
+                self._peer_map_at = time.monotonic()
             if got is None:
                 try:
                     got = self.reown(down)
@@ -430,7 +440,7 @@ class ClusterSource:
         *queued*: the cache's fetches queued after this one (access order, staging reserved for
         them); those of other owners are asked for now, in the same batches (look-ahead), and
         taken from here when their fetch runs."""
-        own = self.owner_map(self.down())
+        own = self.owner_map(self.down()) or self.own
         owner = int(own.owner[fid]) if 0 <= fid < len(own.owner) else -1
         reowned = 0 <= fid < len(own.owner) and owner != int(self.own.owner[fid])
         if reowned:
@@ -535,9 +545,11 @@ class ClusterSource:
     def serve(self, fid: int, down: frozenset[int] = frozenset()) -> Sample | None:
         """*fid*'s sample for a peer that takes the nodes of *down* as down (grpc thread): files this
         node owns in that peer's map, or a recent copy; else None."""
-        if self.closed or not 0 <= fid < len(self.own.owner):
+        if self.closed or not 0 <= fid < len(self.own.owner) or any(k >= self.own.nodes for k in down):
             return None
-        own = self.owner_map(down - {self.node}) if down else self.own
+        own = self.owner_map(down - {self.node}, for_peer=True) if down else self.own
+        if own is None:
+            return None
         if int(own.owner[fid]) == self.node:
             if int(self.own.owner[fid]) != self.node:
                 self.counters.add(served_reowned=1)

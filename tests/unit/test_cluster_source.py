@@ -129,3 +129,42 @@ def test_a_slow_owner_is_hedged_with_a_pfs_read(tmp_path: Path) -> None:
         src.close()
         p.close()
         s.stop(0)
+
+
+def test_down_sets_a_peer_names_are_checked_and_computed_at_a_bounded_rate(tmp_path: Path, monkeypatch) -> None:
+    """A peer's request names the nodes it takes as down; this node serves the files it owns in that
+    map. A node id past the cluster is refused, and a new set costs a map computation: at most one per
+    ``PEER_MAP_EVERY_S`` (here: once), so a peer sending ever new sets cannot keep the node computing."""
+    import fsd.cluster.source as source_mod
+
+    monkeypatch.setattr(source_mod, "PEER_MAP_EVERY_S", 1e9)
+    n = 12
+    files = Files(n)
+    base = (np.arange(n) % 3).astype(np.int32)
+    ports = [_port() for _ in range(3)]
+    computed: list[frozenset[int]] = []
+
+    def reown(down: frozenset[int]) -> Ownership:
+        computed.append(down)
+        owner = base.copy()
+        owner[np.isin(owner, list(down))] = 0  # node 0 takes the down nodes' files
+        return Ownership(owner=owner, cached=np.zeros(n, bool), nodes=3)
+
+    cfg = ClusterConfig(index=0, nodes=tuple(f"127.0.0.1:{p}" for p in ports), secret_file=tmp_path / "s",
+                        secret=SECRET, listen=f"127.0.0.1:{ports[0]}", fetch_timeout=5.0, connect_timeout=1.0,
+                        backoff_max=2.0, max_batch=16)
+    p = Peers(cfg, FP)
+    src = ClusterSource(0, Ownership(owner=base, cached=np.zeros(n, bool), nodes=3),
+                        np.array([len(d) for d in files.data]), files, p, OwnedStore(0), RecentBuffer(),
+                        SourceCounters(), fetch_timeout=5.0, connect_timeout=1.0, max_batch=16, reown=reown)
+    try:
+        assert src.serve(1) is None  # node 1's file
+        got = src.serve(1, frozenset({1}))  # the asking peer takes node 1 as down: node 0 owns it
+        assert got is not None and got[0] == files.data[1] and computed == [frozenset({1})]
+        assert src.serve(1, frozenset({1})) is not None and len(computed) == 1  # kept
+        assert src.serve(2, frozenset({2})) is None and len(computed) == 1  # another new set: not now
+        assert src.serve(1, frozenset({7})) is None  # no node 7
+        assert src.counters.snapshot()["served_reowned"] == 2
+    finally:
+        src.close()
+        p.close()
