@@ -84,6 +84,7 @@ def cluster_lines(doc: dict[str, Any]) -> list[str]:
                    f"({_mib(p.get('fetched_bytes'))}), served {p.get('served_samples')} "
                    f"({_mib(p.get('served_bytes'))}), latency {'-' if lat is None else f'{lat * 1000:.1f} ms'}, "
                    f"fallbacks {p.get('fallbacks')}, errors {p.get('errors')}, timeouts {p.get('timeouts')}, "
+                   f"hedged {p.get('hedged', 0)}, "
                    f"refusals {p.get('refusals')}")
     return out
 
