@@ -292,7 +292,9 @@ def test_corrupt_samples_from_a_peer_are_read_from_the_pfs_and_counted(tmp_path:
             c.read_exact(1, c.order(1, epoch))
         s1 = c.status(1)
         assert s1["peers"][0]["bad_samples"] > 0 and s1["bytes"]["peers"] == 0
-        assert s1["source"]["fallback_files"] >= s1["peers"][0]["bad_samples"]
+        # every file read came from the PFS; a bad sample asked ahead whose read never came (the plan's
+        # last accesses) is counted but not read, so the two counts need not match
+        assert s1["source"]["fallback_files"] > 0 and s1["source"]["peer_files"] == 0
         assert bad.stats.snapshot()["unauthenticated"] == 0  # node 1's requests were signed
     finally:
         bad.stop(0)
