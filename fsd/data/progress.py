@@ -52,9 +52,6 @@ Divergence and back-off
     ``beacon_every``: the spacing alone would let a wrong plan over a small dataset fit anywhere),
     switch back to ``synced`` there, re-anchoring the ranks that read there. A reader that skipped
     ahead, or a job restarted from a checkpoint while the mount stayed up, is picked up again.
-    After the page cache was dropped (``drop_caches``) while no read had arrived for a while, the
-    fronts are stale; the tracker *relocates*: the same re-anchoring, not counted as a divergence
-    unless ``DIV_WINDOW`` reads find no place (:meth:`ProgressTracker.relocate`).
 """
 
 from __future__ import annotations
