@@ -41,6 +41,20 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _node0(tmp_path: Path, ports: list[int], owner: np.ndarray, files: Files, fetch_timeout: float = 5.0,
+           reown=None) -> tuple[Peers, ClusterSource]:
+    """Node 0's peers and source over *files*, with the owner map *owner* of ``len(ports)`` nodes."""
+    cfg = ClusterConfig(index=0, nodes=tuple(f"127.0.0.1:{p}" for p in ports), secret_file=tmp_path / "s",
+                        secret=SECRET, listen=f"127.0.0.1:{ports[0]}", fetch_timeout=fetch_timeout,
+                        connect_timeout=1.0, backoff_max=2.0, max_batch=16)
+    p = Peers(cfg, FP)
+    src = ClusterSource(0, Ownership(owner=owner, cached=np.zeros(len(owner), bool), nodes=len(ports)),
+                        np.array([len(d) for d in files.data]), files, p, OwnedStore(0), RecentBuffer(),
+                        SourceCounters(), fetch_timeout=fetch_timeout, connect_timeout=1.0, max_batch=16,
+                        reown=reown)
+    return p, src
+
+
 def test_reads_through_many_peers_are_exact_on_a_bounded_pool(tmp_path: Path) -> None:
     n, peers = 240, 5
     files = Files(n)
@@ -109,13 +123,7 @@ def test_a_slow_owner_is_hedged_with_a_pfs_read(tmp_path: Path) -> None:
 
     s = PeerServer(f"127.0.0.1:{ports[1]}", SECRET, 1, n_files=n, fingerprint=FP, serve=serve)
     s.start()
-    cfg = ClusterConfig(index=0, nodes=tuple(f"127.0.0.1:{p}" for p in ports), secret_file=tmp_path / "s",
-                        secret=SECRET, listen=f"127.0.0.1:{ports[0]}", fetch_timeout=20.0, connect_timeout=1.0,
-                        backoff_max=2.0, max_batch=16)
-    p = Peers(cfg, FP)
-    src = ClusterSource(0, Ownership(owner=owner, cached=np.zeros(n, bool), nodes=2),
-                        np.array([len(d) for d in files.data]), files, p, OwnedStore(0), RecentBuffer(),
-                        SourceCounters(), fetch_timeout=20.0, connect_timeout=1.0, max_batch=16)
+    p, src = _node0(tmp_path, ports, owner, files, fetch_timeout=20.0)
     try:
         for fid in range(n - 1):  # answered: the owner's batch latency is known now
             assert src.read(fid) == files.data[fid]
@@ -150,13 +158,7 @@ def test_down_sets_a_peer_names_are_checked_and_computed_at_a_bounded_rate(tmp_p
         owner[np.isin(owner, list(down))] = 0  # node 0 takes the down nodes' files
         return Ownership(owner=owner, cached=np.zeros(n, bool), nodes=3)
 
-    cfg = ClusterConfig(index=0, nodes=tuple(f"127.0.0.1:{p}" for p in ports), secret_file=tmp_path / "s",
-                        secret=SECRET, listen=f"127.0.0.1:{ports[0]}", fetch_timeout=5.0, connect_timeout=1.0,
-                        backoff_max=2.0, max_batch=16)
-    p = Peers(cfg, FP)
-    src = ClusterSource(0, Ownership(owner=base, cached=np.zeros(n, bool), nodes=3),
-                        np.array([len(d) for d in files.data]), files, p, OwnedStore(0), RecentBuffer(),
-                        SourceCounters(), fetch_timeout=5.0, connect_timeout=1.0, max_batch=16, reown=reown)
+    p, src = _node0(tmp_path, ports, base, files, reown=reown)
     try:
         assert src.serve(1) is None  # node 1's file
         got = src.serve(1, frozenset({1}))  # the asking peer takes node 1 as down: node 0 owns it
