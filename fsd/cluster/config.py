@@ -18,6 +18,11 @@ One TOML file (``fsd mount --cluster FILE``) or the ``[data.cluster]`` table of
     tls_cert = "node.pem"         # mutual TLS (all three, or none): this node's certificate (PEM), naming
     tls_key = "node.key"          #   its address of `nodes` (an IP SAN for an IP), its key (mode 600),
     tls_ca = "ca.pem"             #   and the CA that signed every node's certificate
+    # checkpoint mounts (fsd mount --checkpoints ... --cluster FILE; docs/CLUSTER.md#checkpoint-replicas)
+    replicas = 1                  # buddy nodes that keep a copy of each checkpoint file (0: none, the default)
+    fsync = "replicated"          # "local" (default): fsync = durable here; "replicated": and on the buddies
+    replica_timeout = 30.0        # seconds a "replicated" fsync waits for its buddies before failing with EIO
+    ckpt_port_offset = 1          # a checkpoint daemon listens on its node's port + this
 
 Inside a Slurm job, ``nodes = "slurm"`` with ``port = 7070`` derives the list from
 ``SLURM_JOB_NODELIST`` (expanded with the ``hostlist`` module, or ``scontrol show
@@ -47,7 +52,9 @@ log = logging.getLogger(__name__)
 MAX_NODES = 1 << 16
 MAX_SECRET_BYTES = 4096
 KEYS = ("node", "nodes", "port", "listen", "secret_file", "fetch_timeout", "connect_timeout", "backoff_max",
-        "max_batch", "capacity", "node_ranks", "metrics", "tls_cert", "tls_key", "tls_ca")
+        "max_batch", "capacity", "node_ranks", "metrics", "tls_cert", "tls_key", "tls_ca", "replicas", "fsync",
+        "replica_timeout", "ckpt_port_offset")
+FSYNC_LEVELS = ("local", "replicated")
 TLS_KEYS = ("tls_cert", "tls_key", "tls_ca")
 MAX_PEM_BYTES = 1 << 20
 
@@ -82,6 +89,10 @@ class ClusterConfig:
     node_ranks: tuple[tuple[int, ...], ...] | None = None
     metrics: str | None = None
     tls: TlsFiles | None = None
+    replicas: int = 0
+    fsync: str = "local"
+    replica_timeout: float = 30.0
+    ckpt_port_offset: int = 1
 
     @property
     def size(self) -> int:
@@ -100,7 +111,21 @@ class ClusterConfig:
                 "backoff_max": self.backoff_max, "max_batch": self.max_batch,
                 "capacities": list(self.capacities) if self.capacities else None,
                 "node_ranks": [list(r) for r in self.node_ranks] if self.node_ranks else None,
-                "metrics": self.metrics}
+                "metrics": self.metrics, "replicas": self.replicas, "fsync": self.fsync}
+
+    def ckpt_address(self, k: int) -> str:
+        """Where node *k*'s checkpoint daemon listens: its node address, port + ``ckpt_port_offset``."""
+        host, port = split_address(self.nodes[k], "")
+        return join_address(host, port + self.ckpt_port_offset)
+
+    def ckpt_listen(self) -> str:
+        """This node's checkpoint daemon's bind address (``listen`` moved by ``ckpt_port_offset``)."""
+        host, port = split_address(self.listen, "")
+        return join_address(host, port + self.ckpt_port_offset)
+
+    def buddies(self) -> list[int]:
+        """The nodes that keep this node's checkpoint replicas: the next ``replicas`` on the ring."""
+        return [(self.index + j) % self.size for j in range(1, self.replicas + 1)]
 
 
 # --------------------------------------------------------------------------- pieces
@@ -337,8 +362,25 @@ def parse_cluster(table: Mapping[str, Any], where: str = "cluster config", base:
     metrics = table.get("metrics")
     if metrics is not None:
         metrics = join_address(*split_address(metrics, f"{where}: `metrics`"))
+    replicas = table.get("replicas", 0)
+    if type(replicas) is not int or not 0 <= replicas < len(nodes):
+        raise ClusterConfigError(f"{where}: `replicas` must be an integer in 0..{len(nodes) - 1} (fewer than "
+                                 f"the nodes), got {replicas!r}")
+    fsync = table.get("fsync", "local")
+    if fsync not in FSYNC_LEVELS:
+        raise ClusterConfigError(f"{where}: `fsync` must be one of {list(FSYNC_LEVELS)}, got {fsync!r}")
+    if fsync == "replicated" and not replicas:
+        raise ClusterConfigError(f"{where}: fsync = \"replicated\" needs `replicas` >= 1")
+    offset = table.get("ckpt_port_offset", 1)
+    if type(offset) is not int or not 1 <= offset < 65535:
+        raise ClusterConfigError(f"{where}: `ckpt_port_offset` must be an integer in 1..65534, got {offset!r}")
+    for i, a in enumerate(nodes):
+        if split_address(a, "")[1] + offset > 65535:
+            raise ClusterConfigError(f"{where}: nodes[{i}] {a!r} + ckpt_port_offset {offset} is past port 65535")
     return ClusterConfig(
         tls=_tls(table, where, base),
+        replicas=replicas, fsync=fsync, replica_timeout=_number(table, "replica_timeout", 30.0, where),
+        ckpt_port_offset=offset,
         index=index_v, nodes=tuple(nodes), secret_file=secret_file, secret=secret, listen=listen,
         fetch_timeout=_number(table, "fetch_timeout", 10.0, where),
         connect_timeout=_number(table, "connect_timeout", 5.0, where),

@@ -47,3 +47,101 @@ class HelloReply(_message.Message):
     node: int
     same_plan: bool
     def __init__(self, fingerprint: _Optional[str] = ..., node: _Optional[int] = ..., same_plan: _Optional[bool] = ...) -> None: ...
+
+class ReplicaPut(_message.Message):
+    __slots__ = ("src", "id", "offset", "data", "xxh3")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    id: int
+    offset: int
+    data: bytes
+    xxh3: int
+    def __init__(self, src: _Optional[int] = ..., id: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., xxh3: _Optional[int] = ...) -> None: ...
+
+class ReplicaTruncate(_message.Message):
+    __slots__ = ("src", "id", "size", "reset", "epoch")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    id: int
+    size: int
+    reset: bool
+    epoch: int
+    def __init__(self, src: _Optional[int] = ..., id: _Optional[int] = ..., size: _Optional[int] = ..., reset: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ReplicaCommit(_message.Message):
+    __slots__ = ("src", "id", "manifest", "incarnation", "calls", "epoch")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    id: int
+    manifest: bytes
+    incarnation: str
+    calls: int
+    epoch: int
+    def __init__(self, src: _Optional[int] = ..., id: _Optional[int] = ..., manifest: _Optional[bytes] = ..., incarnation: _Optional[str] = ..., calls: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ReplicaDrop(_message.Message):
+    __slots__ = ("src", "id", "data_seq")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_SEQ_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    id: int
+    data_seq: int
+    def __init__(self, src: _Optional[int] = ..., id: _Optional[int] = ..., data_seq: _Optional[int] = ...) -> None: ...
+
+class ReplicaAck(_message.Message):
+    __slots__ = ("incarnation", "stale")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    stale: bool
+    def __init__(self, incarnation: _Optional[str] = ..., stale: _Optional[bool] = ...) -> None: ...
+
+class ReplicaListRequest(_message.Message):
+    __slots__ = ("src",)
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    def __init__(self, src: _Optional[int] = ...) -> None: ...
+
+class ReplicaListing(_message.Message):
+    __slots__ = ("manifests", "incarnation")
+    MANIFESTS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    manifests: _containers.RepeatedScalarFieldContainer[bytes]
+    incarnation: str
+    def __init__(self, manifests: _Optional[_Iterable[bytes]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class ReplicaRead(_message.Message):
+    __slots__ = ("src", "id", "offset", "length")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    id: int
+    offset: int
+    length: int
+    def __init__(self, src: _Optional[int] = ..., id: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ReplicaPiece(_message.Message):
+    __slots__ = ("offset", "data", "xxh3")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    xxh3: int
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., xxh3: _Optional[int] = ...) -> None: ...

@@ -140,3 +140,306 @@ class Peer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ReplicaStub:
+    """Checkpoint replicas: a node's checkpoint daemon keeps copies of its buddy's files (fsd/ckpt/replicate.py).
+    Every call is signed like the Peer calls; a Put is signed over its header (data cleared) and carries the
+    XXH3-64 of its data, which the receiver checks.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Put = channel.unary_unary(
+                '/fsd.cluster.v1.Replica/Put',
+                request_serializer=fsd_dot_cluster_dot_peer__pb2.ReplicaPut.SerializeToString,
+                response_deserializer=fsd_dot_cluster_dot_peer__pb2.ReplicaAck.FromString,
+                _registered_method=True)
+        self.Truncate = channel.unary_unary(
+                '/fsd.cluster.v1.Replica/Truncate',
+                request_serializer=fsd_dot_cluster_dot_peer__pb2.ReplicaTruncate.SerializeToString,
+                response_deserializer=fsd_dot_cluster_dot_peer__pb2.ReplicaAck.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/fsd.cluster.v1.Replica/Commit',
+                request_serializer=fsd_dot_cluster_dot_peer__pb2.ReplicaCommit.SerializeToString,
+                response_deserializer=fsd_dot_cluster_dot_peer__pb2.ReplicaAck.FromString,
+                _registered_method=True)
+        self.Drop = channel.unary_unary(
+                '/fsd.cluster.v1.Replica/Drop',
+                request_serializer=fsd_dot_cluster_dot_peer__pb2.ReplicaDrop.SerializeToString,
+                response_deserializer=fsd_dot_cluster_dot_peer__pb2.ReplicaAck.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/fsd.cluster.v1.Replica/List',
+                request_serializer=fsd_dot_cluster_dot_peer__pb2.ReplicaListRequest.SerializeToString,
+                response_deserializer=fsd_dot_cluster_dot_peer__pb2.ReplicaListing.FromString,
+                _registered_method=True)
+        self.Read = channel.unary_stream(
+                '/fsd.cluster.v1.Replica/Read',
+                request_serializer=fsd_dot_cluster_dot_peer__pb2.ReplicaRead.SerializeToString,
+                response_deserializer=fsd_dot_cluster_dot_peer__pb2.ReplicaPiece.FromString,
+                _registered_method=True)
+
+
+class ReplicaServicer:
+    """Checkpoint replicas: a node's checkpoint daemon keeps copies of its buddy's files (fsd/ckpt/replicate.py).
+    Every call is signed like the Peer calls; a Put is signed over its header (data cleared) and carries the
+    XXH3-64 of its data, which the receiver checks.
+    """
+
+    def Put(self, request, context):
+        """Bytes of one file at an offset (the source's flush of them, or a resend). Invalidates the
+        receiver's committed copy of the file until the next Commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Truncate(self, request, context):
+        """The file's size is now `size`: bytes beyond it are dropped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Make the file's data durable and its manifest the committed copy (a directory: only the manifest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drop(self, request, context):
+        """Forget a node's copy (unlinked, or drained to the backing directory at data_seq or later).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """The committed copies kept for a source node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Read(self, request, context):
+        """A committed copy's bytes, in pieces (a replacement node restores its files).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ReplicaServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Put': grpc.unary_unary_rpc_method_handler(
+                    servicer.Put,
+                    request_deserializer=fsd_dot_cluster_dot_peer__pb2.ReplicaPut.FromString,
+                    response_serializer=fsd_dot_cluster_dot_peer__pb2.ReplicaAck.SerializeToString,
+            ),
+            'Truncate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Truncate,
+                    request_deserializer=fsd_dot_cluster_dot_peer__pb2.ReplicaTruncate.FromString,
+                    response_serializer=fsd_dot_cluster_dot_peer__pb2.ReplicaAck.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=fsd_dot_cluster_dot_peer__pb2.ReplicaCommit.FromString,
+                    response_serializer=fsd_dot_cluster_dot_peer__pb2.ReplicaAck.SerializeToString,
+            ),
+            'Drop': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drop,
+                    request_deserializer=fsd_dot_cluster_dot_peer__pb2.ReplicaDrop.FromString,
+                    response_serializer=fsd_dot_cluster_dot_peer__pb2.ReplicaAck.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=fsd_dot_cluster_dot_peer__pb2.ReplicaListRequest.FromString,
+                    response_serializer=fsd_dot_cluster_dot_peer__pb2.ReplicaListing.SerializeToString,
+            ),
+            'Read': grpc.unary_stream_rpc_method_handler(
+                    servicer.Read,
+                    request_deserializer=fsd_dot_cluster_dot_peer__pb2.ReplicaRead.FromString,
+                    response_serializer=fsd_dot_cluster_dot_peer__pb2.ReplicaPiece.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fsd.cluster.v1.Replica', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fsd.cluster.v1.Replica', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Replica:
+    """Checkpoint replicas: a node's checkpoint daemon keeps copies of its buddy's files (fsd/ckpt/replicate.py).
+    Every call is signed like the Peer calls; a Put is signed over its header (data cleared) and carries the
+    XXH3-64 of its data, which the receiver checks.
+    """
+
+    @staticmethod
+    def Put(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fsd.cluster.v1.Replica/Put',
+            fsd_dot_cluster_dot_peer__pb2.ReplicaPut.SerializeToString,
+            fsd_dot_cluster_dot_peer__pb2.ReplicaAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Truncate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fsd.cluster.v1.Replica/Truncate',
+            fsd_dot_cluster_dot_peer__pb2.ReplicaTruncate.SerializeToString,
+            fsd_dot_cluster_dot_peer__pb2.ReplicaAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fsd.cluster.v1.Replica/Commit',
+            fsd_dot_cluster_dot_peer__pb2.ReplicaCommit.SerializeToString,
+            fsd_dot_cluster_dot_peer__pb2.ReplicaAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fsd.cluster.v1.Replica/Drop',
+            fsd_dot_cluster_dot_peer__pb2.ReplicaDrop.SerializeToString,
+            fsd_dot_cluster_dot_peer__pb2.ReplicaAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fsd.cluster.v1.Replica/List',
+            fsd_dot_cluster_dot_peer__pb2.ReplicaListRequest.SerializeToString,
+            fsd_dot_cluster_dot_peer__pb2.ReplicaListing.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Read(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fsd.cluster.v1.Replica/Read',
+            fsd_dot_cluster_dot_peer__pb2.ReplicaRead.SerializeToString,
+            fsd_dot_cluster_dot_peer__pb2.ReplicaPiece.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -72,6 +72,30 @@ def _not_on_trio() -> None:
 # --------------------------------------------------------------------------- server
 
 
+def bind(server: grpc.Server, listen: str, tls: TlsFiles | None) -> int:
+    """Bind *server* to *listen* (mutual TLS with *tls*); the port, or FsdError."""
+    try:
+        if tls is None:
+            port = server.add_insecure_port(listen)
+        else:  # mutual TLS: a peer shows a certificate of the cluster's CA, or the handshake fails
+            creds = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
+                                                require_client_auth=True)
+            port = server.add_secure_port(listen, creds)
+    except RuntimeError:
+        port = 0
+    if not port:
+        raise FsdError(f"cluster: cannot listen on {listen} (address in use, or not an address of this node?)")
+    return port
+
+
+def open_channel(address: str, tls: TlsFiles | None, options: list[tuple[str, Any]]) -> grpc.Channel:
+    """A channel to *address* (mutual TLS with *tls*)."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
+    return grpc.secure_channel(address, creds, options=options)
+
+
 class _Servicer(peer_pb2_grpc.PeerServicer):
     def __init__(self, server: PeerServer) -> None:
         self.s = server
@@ -176,18 +200,10 @@ class PeerServer:
     def start(self) -> int:
         """Bind the configured address and serve; returns the port (useful with port 0)."""
         try:
-            if self.tls is None:
-                port = self._server.add_insecure_port(self.listen)
-            else:  # mutual TLS: a peer shows a certificate of the cluster's CA, or the handshake fails
-                creds = grpc.ssl_server_credentials([(self.tls.key, self.tls.cert)], root_certificates=self.tls.ca,
-                                                    require_client_auth=True)
-                port = self._server.add_secure_port(self.listen, creds)
-        except RuntimeError:
-            port = 0
-        if not port:
+            port = bind(self._server, self.listen, self.tls)
+        except FsdError:
             self._pool.shutdown(wait=False)
-            raise FsdError(f"cluster: cannot listen on {self.listen} (address in use, or not an address of "
-                           "this node?)")
+            raise
         self._server.start()
         self.port = port
         log.info("cluster: node %d serving peers on %s", self.node, self.listen)
@@ -206,9 +222,10 @@ class PeerServer:
 # --------------------------------------------------------------------------- client
 
 
-def _channel_options(connect_timeout: float, backoff_max: float) -> list[tuple[str, Any]]:
+def channel_options(connect_timeout: float, backoff_max: float, service: str = SERVICE) -> list[tuple[str, Any]]:
+    """Channel options: retry of calls that never reached a server, reconnect back-off, message size."""
     service_config = {"methodConfig": [{
-        "name": [{"service": SERVICE}],
+        "name": [{"service": service}],
         # a call that never reached a server (a restart's GOAWAY, a refused connect) is tried
         # again by grpc itself, within the call's deadline
         "retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
@@ -252,13 +269,7 @@ class PeerClient:
         self.stats = st.PeerStats(node, address)
         self._fingerprint = fingerprint
         self._key = auth.derive_key(secret)
-        options = _channel_options(connect_timeout, backoff_max)
-        if tls is None:
-            self._channel = grpc.insecure_channel(address, options=options)
-        else:
-            creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
-                                                 certificate_chain=tls.cert)
-            self._channel = grpc.secure_channel(address, creds, options=options)
+        self._channel = open_channel(address, tls, channel_options(connect_timeout, backoff_max))
         self._stub = peer_pb2_grpc.PeerStub(self._channel)
         self.breaker = pybreaker.CircuitBreaker(
             fail_max=BREAKER_FAILS, reset_timeout=backoff_max, name=f"peer-{node}", throw_new_error_on_trip=False,
@@ -495,4 +506,5 @@ class ClusterNode:
             self.peers.close()
 
 
-__all__ = ["ClusterNode", "PeerClient", "PeerServer", "Peers", "ServeFn", "checksum"]
+__all__ = ["ClusterNode", "PeerClient", "PeerServer", "Peers", "ServeFn", "bind", "channel_options", "checksum",
+           "open_channel"]
