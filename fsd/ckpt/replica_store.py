@@ -1,0 +1,245 @@
+"""Copies of other nodes' checkpoint files, kept on this node's devices apart from its own namespace.
+
+A buddy's side of replication (:mod:`fsd.ckpt.replicate` is the source's): the ``Replica`` calls of
+:mod:`fsd.cluster.replica_rpc` land here, on grpc's threads. Layout on the devices::
+
+    fsd-ckpt/replicas/<src>/<id>        the copy's bytes, in file order, on device id % N
+    fsd-ckpt/replicas/<src>/<id>.m      its committed manifest (the source's, sealed), on every device
+
+A copy is *committed* once its data is ``fdatasync``ed and its manifest written durably; only committed
+copies are listed and read. The first Put or Truncate after a commit removes the manifest durably before
+any byte changes, so a committed copy is always exactly the content its manifest names. A commit is
+refused (the source sends the whole file again) unless this store applied exactly the number of calls
+the source counts since the last commit or reset, in this process (``incarnation``): a lost, doubled or
+newer call never passes as the committed content. Blocking throughout; thread-safe.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fsd.ckpt.manifest import Manifest, ManifestError, data_name, fsync_dir, meta_name, unlink_quiet, write_atomic
+
+log = logging.getLogger(__name__)
+
+REPLICA_DIR = "fsd-ckpt/replicas"
+MAX_OFFSET = 1 << 50
+"""Largest file offset a source may write (far beyond any device; refuses nonsense)."""
+PIECE = 4 << 20
+"""Bytes per piece of a read."""
+
+
+@dataclass
+class _Copy:
+    """What this store holds of one source node."""
+
+    committed: Manifest | None = None
+    raw: bytes = b""  # the committed manifest as the source sealed it
+    calls: int = 0  # Puts and Truncates applied since the last commit or reset
+    epoch: int = 0  # the source's name of the last reset (0: none since the last commit)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ReplicaStore:
+    """The copies kept here, by (source node, node id). Implements :class:`fsd.cluster.replica_rpc.ReplicaHandler`."""
+
+    def __init__(self, roots: list[Path]) -> None:
+        self.roots = [Path(r) for r in roots]
+        self.incarnation = uuid.uuid4().hex
+        self._lock = threading.Lock()
+        self._copies: dict[tuple[int, int], _Copy] = {}
+        self.commits = 0
+        self.refused_commits = 0
+        self._load()
+
+    # -- layout ----------------------------------------------------------------------------
+    def _dir(self, root: Path, src: int) -> Path:
+        return root / REPLICA_DIR / str(src)
+
+    def _data(self, src: int, nid: int) -> Path:
+        return self._dir(self.roots[nid % len(self.roots)], src) / data_name(nid)
+
+    def _load(self) -> None:
+        """The committed copies on the devices (per copy, the manifest with the highest seq)."""
+        for root in self.roots:
+            top = root / REPLICA_DIR
+            if not top.is_dir():
+                continue
+            for sd in top.iterdir():
+                if not sd.name.isdigit():
+                    continue
+                for p in sd.iterdir():
+                    if ".tmp" in p.name:
+                        unlink_quiet(p)
+                    elif p.name.endswith(".m"):
+                        try:
+                            raw = p.read_bytes()
+                            m = Manifest.decode(raw)
+                        except (ManifestError, OSError) as e:
+                            log.warning("replicas: ignoring %s: %s", p, e)
+                            continue
+                        c = self._copies.setdefault((int(sd.name), m.id), _Copy())
+                        if c.committed is None or m.seq > c.committed.seq:
+                            c.committed, c.raw = m, raw
+
+    def _copy(self, src: int, nid: int) -> _Copy:
+        if not 0 <= src < 1 << 16 or nid < 2:
+            raise ValueError(f"bad source node {src} or node id {nid}")
+        with self._lock:
+            return self._copies.setdefault((src, nid), _Copy())
+
+    def _on_every_device(self, src: int, fn: object, *args: object) -> None:
+        for root in self.roots:
+            d = self._dir(root, src)
+            d.mkdir(parents=True, exist_ok=True)
+            fn(d, *args)  # type: ignore[operator]
+
+    def _invalidate(self, src: int, nid: int, c: _Copy) -> None:
+        """Remove the committed manifest durably (call with ``c.lock`` held) before the bytes change."""
+        if c.committed is None:
+            return
+
+        def rm(d: Path) -> None:
+            unlink_quiet(d / meta_name(nid))
+            fsync_dir(d)
+
+        self._on_every_device(src, rm)
+        c.committed, c.raw = None, b""
+
+    # -- the calls ------------------------------------------------------------------------
+    def put(self, src: int, nid: int, offset: int, data: bytes) -> None:
+        """Write *data* at *offset* of the copy of *nid*."""
+        if offset < 0 or offset + len(data) > MAX_OFFSET:
+            raise ValueError(f"offset {offset} + {len(data)} bytes is out of range")
+        c = self._copy(src, nid)
+        with c.lock:
+            self._invalidate(src, nid, c)
+        path = self._data(src, nid)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        finally:
+            os.close(fd)
+        with c.lock:
+            self._invalidate(src, nid, c)  # a commit that slipped in while the bytes were written
+            c.calls += 1
+
+    def truncate(self, src: int, nid: int, size: int, reset: bool, epoch: int = 0) -> None:
+        """The copy of *nid* is *size* bytes long (*reset*: empty, its call count starts again, and a
+        commit must name *epoch*)."""
+        if not 0 <= size <= MAX_OFFSET or (reset and size):
+            raise ValueError(f"bad size {size}")
+        c = self._copy(src, nid)
+        with c.lock:
+            self._invalidate(src, nid, c)
+            path = self._data(src, nid)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            if reset:
+                c.calls, c.epoch = 0, epoch
+            else:
+                c.calls += 1
+
+    def commit(self, src: int, nid: int, raw: bytes, incarnation: str, calls: int, epoch: int = 0) -> bool:
+        """Make *raw* (a sealed manifest of *nid*) the committed copy; False when the calls applied since
+        the last commit are not exactly the *calls* the source counts in *incarnation* after the reset
+        *epoch*."""
+        m = Manifest.decode(raw)
+        if m.id != nid:
+            raise ValueError(f"manifest of node {m.id} sent as node {nid}")
+        c = self._copy(src, nid)
+        with c.lock:
+            if (incarnation and incarnation != self.incarnation) or calls != c.calls or epoch != c.epoch:
+                self.refused_commits += 1
+                log.info("replicas: commit of node %d of node %d refused: %d calls applied after reset %d, "
+                         "%d sent after %d%s", nid, src, c.calls, c.epoch, calls, epoch,
+                         "" if not incarnation or incarnation == self.incarnation else " to an earlier incarnation")
+                return False
+            if m.kind == "file":
+                path = self._data(src, nid)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    os.ftruncate(fd, m.size)
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+                fsync_dir(path.parent)
+            self._on_every_device(src, lambda d: write_atomic(d, meta_name(nid), raw, tag=m.seq))
+            c.committed, c.raw, c.calls, c.epoch = m, raw, 0, 0
+            self.commits += 1
+        return True
+
+    def drop(self, src: int, nid: int, data_seq: int) -> None:
+        """Forget the copy of *nid*; with *data_seq*, only a committed copy of that content or older."""
+        c = self._copy(src, nid)
+        with c.lock:
+            if data_seq and (c.committed is None or c.committed.data_seq > data_seq):
+                return  # newer content, or a new version on its way: not what was drained
+            self._invalidate(src, nid, c)
+            unlink_quiet(self._data(src, nid))
+            c.calls, c.epoch = 0, 0
+        with self._lock:
+            self._copies.pop((src, nid), None)
+
+    def listing(self, src: int) -> list[bytes]:
+        """The sealed manifests of every committed copy of *src*'s nodes."""
+        with self._lock:
+            copies = [c for (s, _), c in self._copies.items() if s == src]
+        out = []
+        for c in copies:
+            with c.lock:
+                if c.committed is not None:
+                    out.append(c.raw)
+        return out
+
+    def read(self, src: int, nid: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
+        """Bytes of the committed copy of *nid* in [offset, offset+length), clipped at its size, in pieces."""
+        c = self._copy(src, nid)
+        with c.lock:
+            m = c.committed
+        if m is None or m.kind != "file":
+            raise ValueError(f"no committed copy of file {nid} of node {src}")
+        end = min(m.size, offset + length)
+        return self._pieces(self._data(src, nid), offset, end)
+
+    @staticmethod
+    def _pieces(path: Path, offset: int, end: int) -> Iterator[tuple[int, bytes]]:
+        with open(path, "rb", buffering=0) as f:
+            while offset < end:
+                data = os.pread(f.fileno(), min(PIECE, end - offset), offset)
+                if not data:  # shorter than its manifest: cannot happen after a commit's ftruncate
+                    raise OSError(errno.EIO, f"{path} ends at {offset}")
+                yield offset, data
+                offset += len(data)
+
+    def status(self) -> dict[str, object]:
+        """For ``.fsd/status``: copies kept per source node."""
+        per: dict[int, list[int]] = {}
+        with self._lock:
+            items = list(self._copies.items())
+        for (src, _), c in items:
+            if c.committed is not None:
+                e = per.setdefault(src, [0, 0])
+                e[0] += 1
+                e[1] += c.committed.size
+        return {"incarnation": self.incarnation, "commits": self.commits, "refused_commits": self.refused_commits,
+                "kept": {str(s): {"nodes": n, "bytes": b} for s, (n, b) in sorted(per.items())}}
+
+
+__all__ = ["REPLICA_DIR", "ReplicaStore"]
