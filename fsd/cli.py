@@ -35,7 +35,8 @@ def _build_parser() -> argparse.ArgumentParser:
     m.add_argument("--attr-timeout", type=float, default=300.0, metavar="S", help="kernel attribute/entry cache time")
     m.add_argument("--revalidate-interval", type=float, default=10.0, metavar="S",
                    help="seconds between sweeps that detect changed backend files (data)")
-    m.add_argument("--cluster", type=Path, metavar="FILE", help="share the cache with other nodes (data; docs/CLUSTER.md)")
+    m.add_argument("--cluster", type=Path, metavar="FILE", help="data: share the cache with other nodes; checkpoints: "
+                   "keep copies on buddy nodes (docs/CLUSTER.md)")
     m.add_argument("--metrics-port", type=int, metavar="N", help="serve cluster figures for Prometheus (with --cluster)")
     m.add_argument("--devices", metavar="D1,D2,...", help="NVMe directories to stripe over (checkpoints)")
     m.add_argument("--stripe-size", type=parse_size, default=parse_size("8M"), metavar="SIZE")
@@ -109,8 +110,13 @@ def _make_root(args: argparse.Namespace, source: Path, mountpoint: Path) -> Any:
                          metrics_port=args.metrics_port)
     from fsd.ckpt.root import CheckpointMount
 
+    cluster = None
     if args.cluster is not None:
-        raise FsdError("--cluster applies to --data mounts only")
+        from fsd.cluster.config import load_cluster
+
+        cluster = load_cluster(args.cluster)
+    if args.metrics_port is not None:
+        raise FsdError("--metrics-port applies to --data mounts only")
     if not args.devices:
         raise FsdError("--checkpoints needs --devices D1,D2,...")
     devices = [Path(d) for d in args.devices.split(",") if d]
@@ -118,7 +124,7 @@ def _make_root(args: argparse.Namespace, source: Path, mountpoint: Path) -> Any:
         if not d.is_dir():
             raise FsdError(f"device directory {d} does not exist")
     return CheckpointMount(source, devices, stripe_size=args.stripe_size, dirty_limit=args.dirty_limit,
-                           drain=args.drain, keep_on_devices=args.keep_on_devices)
+                           drain=args.drain, keep_on_devices=args.keep_on_devices, cluster=cluster)
 
 
 def _mount(args: argparse.Namespace, ready: Callable[[], None] | None) -> int:

@@ -77,6 +77,10 @@ class FlushJob:
     nbytes: int
     blocks: int = -1  # st_blocks of the data file after the write (-1: unknown)
     room_gen: int = 0  # the flusher's room generation at submit (see Flusher.retry_room)
+    file_off: int = -1  # the file offset of the first byte
+    # called before the pwritev (buddy replicas, fsd.ckpt.replicate): returns what to wait for before
+    # the job ends and its views are released
+    replicate: Callable[["FlushJob"], Callable[[], None]] | None = None
 
 
 META_RESERVE = 1 << 20
@@ -311,7 +315,9 @@ class DeviceIO:
                 if self._active == 0:
                     self._busy_since = time.perf_counter()
                 self._active += 1
+            replicated = None
             try:
+                replicated = job.replicate(job) if job.replicate is not None else None
                 with self.writers.use(job.file_id) as fd, self._room(fd, job.nbytes):
                     assert fd is not None
                     _pwritev_all(fd, job.views, job.local_off)
@@ -321,6 +327,8 @@ class DeviceIO:
             except BaseException as e:  # a bug: report as EIO, keep the worker alive
                 log.exception("flusher thread of %s failed", self.root)
                 err = OSError(errno.EIO, repr(e))
+            if replicated is not None:
+                replicated()  # never raises for what a buddy does (fsd.ckpt.replicate)
             for v in job.views:
                 v.release()
             with self._lock:

@@ -79,6 +79,8 @@ class DrainFeed:
     async def record(self, c: pending.Change, remove: int | None = None) -> None:
         """Write record *c* durably on every device, removing node *remove*'s manifest with it."""
         await self.meta.on_every_device(pending.write, c, remove=remove)
+        if remove is not None:
+            self.meta.removed(remove)
 
     def submit_change(self, job: DrainJob) -> None:
         """Queue a recorded change (once the view has made it)."""

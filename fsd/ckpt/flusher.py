@@ -44,6 +44,8 @@ class Flusher:
         # bumped whenever room was made: a job submitted before that which finds the device full
         # was refused before the room existed, and is retried at once rather than taken as "full"
         self.room_gen = 0
+        # buddy replicas (fsd.ckpt.replicate): each job's bytes also go to the buddies, from its thread
+        self.replicate: Callable[[FlushJob], Callable[[], None]] | None = None
         pool.on_short = self.pressure
 
     def start(self) -> None:
@@ -117,7 +119,8 @@ class Flusher:
         if not chunks:
             return
         ext = next(f.layout.extents(chunks[0][0] * c, 1))
-        job = FlushJob(ext.device, f.id, ext.local_off, views, chunks, nbytes, room_gen=self.room_gen)
+        job = FlushJob(ext.device, f.id, ext.local_off, views, chunks, nbytes, room_gen=self.room_gen,
+                       file_off=chunks[0][0] * c, replicate=self.replicate)
         f.inflight += 1
         self.devices[ext.device].queue.put((job, self._done_threadsafe))
 

@@ -226,6 +226,9 @@ class MetaStore:
         self.limiter = trio.CapacityLimiter(len(roots))
         #: called as ``on_error(root, exc)`` for a device that failed a manifest write
         self.on_error: Callable[[Path, OSError], None] | None = None
+        #: told of every durable publish and every removal (buddy replicas, fsd.ckpt.replicate)
+        self.on_publish: Callable[[Manifest], None] | None = None
+        self.on_remove: Callable[[int], None] | None = None
         self.publishes = 0
 
     def take_seq(self) -> int:
@@ -261,7 +264,15 @@ class MetaStore:
         """Publish *m* on every device; returns when all copies are written (and durable)."""
         await self.on_every_device(publish, m, durable=durable)
         self.publishes += 1
+        if durable and self.on_publish is not None:
+            self.on_publish(m)
 
     async def remove(self, node_id: int, *, durable: bool = True) -> None:
         """Remove a node's manifest on every device."""
         await self.on_every_device(remove, node_id, durable=durable)
+        self.removed(node_id)
+
+    def removed(self, node_id: int) -> None:
+        """A node's manifest is gone from every device (here, or with a pending record)."""
+        if self.on_remove is not None:
+            self.on_remove(node_id)

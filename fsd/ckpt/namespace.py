@@ -16,9 +16,9 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsd.ckpt.drain import DrainJob, Drainer
 from fsd.ckpt.drain_feed import DrainFeed
@@ -33,6 +33,9 @@ from fsd.ckpt.tasks import Tasks, together
 from fsd.ckpt.tree import Tree
 from fsd.ckpt.union import UnionView
 from fsd.ckpt.writeback import WriteBack
+
+if TYPE_CHECKING:
+    from fsd.ckpt.replicate import Replicator
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,8 @@ class Namespace:
         self.stop_problems: list[str] = []  # what the stop could not do (see unmount_report)
         self.failed_at_start = set(self.failed)
         self.replayed: dict[str, object] | None = None  # the pending changes of an earlier mount applied
+        self.replicas: Replicator | None = None  # buddy copies (fsd.ckpt.replicate): fsync may wait for them
+        self.status_parts: dict[str, Callable[[], object]] = {}  # more of .fsd/status, from the composition root
 
     def new_id(self) -> int:
         """A node id never used on these devices."""
@@ -391,8 +396,11 @@ class Namespace:
             self.tasks.spawn(self._finish_closed, node)
 
     async def fsync(self, node: Node) -> None:
-        """fsync semantics: the data durable on every device, then a complete manifest."""
+        """fsync semantics: the data durable on every device, then a complete manifest (and with
+        ``fsync = "replicated"``, committed on the buddies)."""
         await self._make_durable(node, publish=True)
+        if self.replicas is not None and node.fs is not None and not node.backing and node.linked:
+            await self.replicas.durable(node.id)
 
     def check_written(self, node: Node) -> None:
         """Raise a write-back error already known for *node* (close reports it, without waiting)."""

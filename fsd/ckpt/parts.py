@@ -10,6 +10,7 @@ space manager; stopped as an unmount does: the settling first, then the drain, t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from fsd.ckpt.drain import DrainJob, Drainer, apply_change
 from fsd.ckpt.drain_feed import DrainFeed
 from fsd.ckpt.manifest import MetaStore
 from fsd.ckpt.namespace import Namespace
-from fsd.ckpt.recovery import recover
+from fsd.ckpt.recovery import Recovered, recover
 from fsd.ckpt.space import SpaceManager
 from fsd.ckpt.union import UnionView
 from fsd.ckpt.writeback import WriteBack
@@ -29,9 +30,11 @@ from fsd.ckpt.writeback import WriteBack
 
 def build_namespace(device_roots: list[Path], *, stripe_size: int, dirty_limit: int, threads_per_device: int = 2,
                     chunk_size: int = 1 << 20, backing_fd: int | None = None, drain: bool = False,
-                    keep_on_devices: int = 2) -> Namespace:
+                    keep_on_devices: int = 2, on_recovered: Callable[[Namespace, Recovered], None] | None = None
+                    ) -> Namespace:
     """The namespace recovered from *device_roots*' manifests; over the backing directory *backing_fd*
-    (if given) the union view, with the drain (*drain*) and the space manager that needs it."""
+    (if given) the union view, with the drain (*drain*) and the space manager that needs it.
+    *on_recovered* gets the namespace and what recovery found once the namespace is complete."""
     if stripe_size % chunk_size and chunk_size % stripe_size:
         raise ValueError("stripe size and chunk size must divide one another")
     roots = [Path(d) for d in device_roots]
@@ -43,6 +46,8 @@ def build_namespace(device_roots: list[Path], *, stripe_size: int, dirty_limit: 
     meta.on_error = wb.manifest_error
     ns = Namespace(roots, rec, wb, meta, stripe_size=stripe_size)
     if backing_fd is None:
+        if on_recovered is not None:
+            on_recovered(ns, rec)
         return ns
     ns.replayed = pending.replay(roots, left, rec.nodes, lambda c: apply_change(
         DrainJob(c.node, 0, c.rel, op=c.op, dst=c.dst), backing_fd))
@@ -55,6 +60,8 @@ def build_namespace(device_roots: list[Path], *, stripe_size: int, dirty_limit: 
     ns.union.reader.path_of = lambda nid: n.backing_rel if (n := ns.nodes.get(nid)) else None
     if drain:
         ns.space = SpaceManager(ns.tree, wb, meta, ns.feed, keep=keep_on_devices)
+    if on_recovered is not None:
+        on_recovered(ns, rec)
     return ns
 
 

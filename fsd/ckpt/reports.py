@@ -42,6 +42,7 @@ def namespace_status(ns: Namespace) -> dict[str, Any]:
                   if ns.drainer is not None and ns.feed is not None else None),
         "backing": ns.union.status() if ns.union is not None else None,
         "space": ns.space.status() if ns.space is not None else None,
+        **{k: part() for k, part in ns.status_parts.items()},
     }
 
 

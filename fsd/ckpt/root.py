@@ -27,8 +27,12 @@ import trio
 
 from fsd.ckpt.manifest import write_atomic
 from fsd.ckpt.operations import READAHEAD_KB, CheckpointOperations, raise_readahead
+from fsd.ckpt.namespace import Namespace
 from fsd.ckpt.parts import build_namespace, start_namespace
+from fsd.ckpt.recovery import Recovered
+from fsd.ckpt.replica_node import CheckpointReplicas
 from fsd.ckpt.reports import unmount_report
+from fsd.cluster.config import ClusterConfig
 from fsd.control import ControlDir
 from fsd.control_routes import expire_loop, fuse_op_counts
 from fsd.mount import ended_by_unmount, open_dir
@@ -56,9 +60,11 @@ class CheckpointMount:
     """:class:`fsd.mount.MountRoot` of a checkpoint directory *source* striped over *devices*."""
 
     def __init__(self, source: Path, devices: list[Path], *, stripe_size: int, dirty_limit: int,
-                 drain: bool = True, keep_on_devices: int = 2) -> None:
+                 drain: bool = True, keep_on_devices: int = 2, cluster: ClusterConfig | None = None) -> None:
         self.source = source
         self.devices = devices
+        # buddy replicas (cluster file with replicas >= 1): restore, the store kept for others, replication
+        self.replicas = CheckpointReplicas(cluster, devices) if cluster is not None and cluster.replicas else None
         self.kw: dict[str, Any] = dict(stripe_size=stripe_size, dirty_limit=dirty_limit, drain=drain,
                                        keep_on_devices=keep_on_devices)
         self.options = list(CheckpointOperations.fuse_options_default)
@@ -70,7 +76,19 @@ class CheckpointMount:
         stack.callback(os.close, backing_fd)
         ops: CheckpointOperations | None = None
         control = ControlDir(lambda: ops.status() if ops is not None else {}, None, op_counts=fuse_op_counts)
-        ns = await trio.to_thread.run_sync(lambda: build_namespace(self.devices, backing_fd=backing_fd, **self.kw))
+        reps = self.replicas
+        on_recovered = None
+        if reps is not None:
+            await trio.to_thread.run_sync(reps.before_recovery)
+
+            def on_recovered(ns: Namespace, rec: Recovered) -> None:
+                reps.attach(ns, rec, self.kw["dirty_limit"])
+
+        ns = await trio.to_thread.run_sync(lambda: build_namespace(self.devices, backing_fd=backing_fd,
+                                                                   on_recovered=on_recovered, **self.kw))
+        if reps is not None:
+            reps.serve()
+            stack.push_async_callback(reps.close)
         ops = CheckpointOperations(ns, backing_fd, control=control)
         self.ops = ops
         return ops
@@ -84,6 +102,9 @@ class CheckpointMount:
         if soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         stack.push_async_callback(self._report)  # the last thing done at unmount
+        if self.replicas is not None and self.replicas.replicator is not None:
+            nursery.start_soon(self.replicas.replicator.run)
+            stack.push_async_callback(self.replicas.last_round)  # after the settling: its publishes too
         stack.push_async_callback((await start_namespace(ns, nursery)).aclose)
         ops.readahead_kb = raise_readahead(ops.backing_fd, READAHEAD_KB)
         if ops.control is not None:

@@ -50,6 +50,9 @@ class WriteBack:
         self.flusher = Flusher(self.devices, self.pool, self.files, self._in_thread)
         self.readahead = ReadAhead(self.devices, self.files, self.io_limiter)
         self.loads = 0  # read-modify-write loads of flushed chunks
+        # told of every new empty file and every shrink (buddy replicas, fsd.ckpt.replicate)
+        self.on_new_file: Callable[[int], None] | None = None
+        self.on_truncate: Callable[[int, int], None] | None = None
 
     @property
     def dirty_bytes(self) -> int:
@@ -87,6 +90,8 @@ class WriteBack:
         f.max_size = min(MAX_LFS_FILESIZE, f.layout.max_size(self.local_max))
         if f.on_device:
             f.dev_blocks = {d.index: d.blocks(f.id) for d in self.devices}
+        elif self.on_new_file is not None:
+            self.on_new_file(f.id)
         self.files[f.id] = f
         return f
 
@@ -272,6 +277,8 @@ class WriteBack:
                 return {d: dev.truncate(f.id, lengths[d]) for d, dev in enumerate(self.devices)}
 
             f.dev_blocks = await trio.to_thread.run_sync(cut, limiter=self.io_limiter)
+        if self.on_truncate is not None:
+            self.on_truncate(f.id, size)
 
     # -- flushing (see fsd.ckpt.flusher) ------------------------------------------------------
     async def sync(self, f: FileState) -> None:

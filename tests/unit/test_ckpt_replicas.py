@@ -1,0 +1,325 @@
+"""Checkpoint replicas without a mount: real namespaces, real write-back on directories standing in for
+the devices, a real grpc buddy on loopback (:mod:`fsd.ckpt.replicate`, :mod:`fsd.ckpt.replica_store`,
+:mod:`fsd.cluster.replica_rpc`). The mount-level test with a SIGKILLed daemon is
+``tests/mount/test_ckpt_replicas_mount.py``."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import trio
+from conftest import device_dirs
+
+from fsd.ckpt import manifest as mf
+from fsd.ckpt.manifest import ROOT_ID
+from fsd.ckpt.namespace import Namespace
+from fsd.ckpt.parts import build_namespace, start_namespace
+from fsd.ckpt.replica_node import CheckpointReplicas, fresh
+from fsd.ckpt.replica_store import ReplicaStore
+from fsd.cluster import auth, peer_pb2, peer_pb2_grpc
+from fsd.cluster.config import ClusterConfig, parse_cluster
+from fsd.cluster.replica_rpc import ReplicaClient, ReplicaError, ReplicaServer
+
+pytestmark = pytest.mark.timeout(120)
+
+KiB = 1 << 10
+UID, GID = os.getuid(), os.getgid()
+
+
+def _free_pair() -> int:
+    """A port p with p and p+1 free on loopback (node address and checkpoint address)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p >= 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free pair of ports")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Callable[..., ClusterConfig]:
+    """``cluster(node, **keys)``: the config of a 2-node loopback cluster as node *node* sees it."""
+    secret = tmp_path / "secret"
+    secret.write_text("replica-test-secret\n")
+    secret.chmod(0o600)
+    nodes = [f"127.0.0.1:{_free_pair()}" for _ in range(2)]
+
+    def make(node: int, **keys: Any) -> ClusterConfig:
+        table = {"node": node, "nodes": nodes, "secret_file": str(secret), "replicas": 1, "connect_timeout": 0.5,
+                 "backoff_max": 0.5, "replica_timeout": 5.0, **keys}
+        return parse_cluster(table)
+
+    return make
+
+
+def _payload(n: int, seed: int) -> bytes:
+    return (bytes(range(256)) * (n // 256 + 1))[:n] if seed == 0 else os.urandom(n)
+
+
+class Node:
+    """A checkpoint node without FUSE: its devices, its replicas, a running namespace."""
+
+    def __init__(self, cfg: ClusterConfig, devices: list[Path]) -> None:
+        self.cfg, self.devices = cfg, devices
+        self.reps = CheckpointReplicas(cfg, devices)
+
+    def run(self, body: Callable[[Namespace], Awaitable[Any]], *, serve: bool = True) -> Any:
+        """Restore if fresh, recover, start, run *body*, stop as an unmount does."""
+        reps = self.reps = CheckpointReplicas(self.cfg, self.devices)
+
+        async def main() -> Any:
+            await trio.to_thread.run_sync(reps.before_recovery)
+            ns = build_namespace(self.devices, stripe_size=64 * KiB, dirty_limit=8 << 20, threads_per_device=1,
+                                 chunk_size=64 * KiB, on_recovered=lambda ns, rec: reps.attach(ns, rec, 8 << 20))
+            if serve:
+                reps.serve()
+            async with trio.open_nursery() as nursery:
+                stop = await start_namespace(ns, nursery)
+                assert reps.replicator is not None
+                nursery.start_soon(reps.replicator.run)
+                try:
+                    out = await body(ns)
+                finally:
+                    await stop.aclose()
+                    await reps.last_round()
+                    await reps.close()
+                nursery.cancel_scope.cancel()
+            return out
+
+        return trio.run(main)
+
+
+class Buddy:
+    """The other node's replica server only (a store on its own devices)."""
+
+    def __init__(self, cfg: ClusterConfig, devices: list[Path]) -> None:
+        self.cfg, self.devices = cfg, devices
+        self.store: ReplicaStore | None = None
+        self.server: ReplicaServer | None = None
+
+    def start(self) -> None:
+        self.store = ReplicaStore(self.devices)
+        self.server = ReplicaServer(self.cfg.ckpt_listen(), self.cfg.secret, self.store, {1 - self.cfg.index})
+        self.server.start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(0)
+            self.server = None
+
+
+@pytest.fixture
+def buddy(tmp_path: Path, cluster: Callable[..., ClusterConfig]) -> Iterator[Buddy]:
+    (tmp_path / "b").mkdir()
+    b = Buddy(cluster(1), device_dirs(tmp_path / "b", 2))
+    yield b
+    b.stop()
+
+
+async def _write(ns: Namespace, path: str, data: bytes, *, fsync: bool = True) -> None:
+    parent = ns.nodes[ROOT_ID]
+    *dirs, name = path.split("/")
+    for d in dirs:
+        try:
+            parent = ns.child(parent, d.encode())
+        except OSError:
+            parent = await ns.mkdir(parent, d.encode(), 0o755, UID, GID)
+    try:
+        node = ns.child(parent, name.encode())
+        ns.opened(node, writable=True)
+        await ns.truncate(node, 0, opening_writer=True)
+    except OSError:
+        node = await ns.create(parent, name.encode(), 0o644, UID, GID)
+        ns.opened(node, writable=True)
+    await ns.write(node, 0, data)
+    if fsync:
+        await ns.fsync(node)
+    ns.closed(node, writable=True)
+
+
+async def _read(ns: Namespace, path: str) -> bytes:
+    node = ns.nodes[ROOT_ID]
+    for part in path.split("/"):
+        node = ns.child(node, part.encode())
+    assert node.fs is not None
+    return bytes(await ns.read(node, 0, node.fs.size + 1))
+
+
+def _wipe(devices: list[Path]) -> None:
+    for d in devices:
+        shutil.rmtree(d)
+        d.mkdir()
+
+
+def _status(ns: Namespace) -> dict[str, Any]:
+    return ns.status_parts["replicas"]()["to_buddies"]["buddies"][0]
+
+
+def test_replicated_fsync_survives_the_loss_of_the_node_and_a_fresh_one_restores_it(
+        tmp_path: Path, cluster: Callable[..., ClusterConfig], buddy: Buddy) -> None:
+    buddy.start()
+    devs = device_dirs(tmp_path, 3)
+    files = {"ckpt/model.pt": _payload(700 * KiB + 123, 1), "ckpt/optim.pt": _payload(300 * KiB, 1),
+             "small": b"x", "empty": b"", "ckpt/rewritten": _payload(200 * KiB, 1)}
+    node = Node(cluster(0, fsync="replicated"), devs)
+
+    async def body(ns: Namespace) -> dict[str, Any]:
+        for path, data in files.items():
+            await _write(ns, path, data)
+        files["ckpt/rewritten"] = _payload(90 * KiB, 1)  # O_TRUNC and smaller: started over on the buddy
+        await _write(ns, "ckpt/rewritten", files["ckpt/rewritten"])
+        await _write(ns, "gone", b"unlinked later")
+        await ns.unlink(ns.nodes[ROOT_ID], b"gone")
+        return _status(ns)
+
+    st = node.run(body)
+    assert st["state"] == "in sync" and st["lag_files"] == 0 and st["failures"] == 0, st
+    assert st["sent_bytes"] >= sum(map(len, files.values())) and st["resent_bytes"] == 0, st  # streamed, not resent
+    assert buddy.store is not None and buddy.store.refused_commits == 0
+    kept = {mf.Manifest.decode(r).name for r in buddy.store.listing(0)}
+    assert kept == {"ckpt", "model.pt", "optim.pt", "small", "empty", "rewritten"}  # "gone" dropped
+
+    _wipe(devs)  # the node is lost; a replacement mounts with empty devices
+    assert fresh(devs)
+
+    async def check(ns: Namespace) -> dict[str, bytes]:
+        return {p: await _read(ns, p) for p in files}
+
+    got = node.run(check)
+    assert got == files
+    assert node.reps.restored is not None and node.reps.restored["files"] == 5 and not node.reps.restored["errors"]
+
+
+def test_a_buddy_that_is_down_fails_a_replicated_fsync_within_the_bound_and_never_a_local_one(
+        tmp_path: Path, cluster: Callable[..., ClusterConfig], buddy: Buddy) -> None:
+    devs = device_dirs(tmp_path, 2)
+    data = _payload(256 * KiB, 1)
+
+    async def replicated(ns: Namespace) -> tuple[int, float, dict[str, Any]]:
+        t0 = trio.current_time()
+        with pytest.raises(OSError) as e:
+            await _write(ns, "a", data)
+        return e.value.errno, trio.current_time() - t0, _status(ns)
+
+    code, took, st = Node(cluster(0, fsync="replicated", replica_timeout=1.0), devs).run(replicated)
+    assert code == errno.EIO and st["state"] != "in sync" and st["lag_files"] == 1
+    assert took < 30  # bounded (by replica_timeout; the generous bound keeps a busy machine from failing it)
+
+    async def local(ns: Namespace) -> tuple[bytes, dict[str, Any]]:
+        await _write(ns, "b", data)
+        return await _read(ns, "b"), _status(ns)
+
+    got, st = Node(cluster(0, fsync="local", replica_timeout=1.0), devs).run(local)
+    assert got == data and st["lag_files"] >= 1  # durable here; the buddy is behind and status says so
+
+
+def test_a_buddy_that_comes_back_is_brought_up_to_date(
+        tmp_path: Path, cluster: Callable[..., ClusterConfig], buddy: Buddy) -> None:
+    devs = device_dirs(tmp_path, 2)
+    data = {"a": _payload(200 * KiB, 1), "b": _payload(64 * KiB + 1, 1)}
+    node = Node(cluster(0, fsync="local"), devs)
+
+    async def body(ns: Namespace) -> dict[str, Any]:
+        for p, d in data.items():
+            await _write(ns, p, d)
+        assert _status(ns)["lag_files"] == 2
+        buddy.start()
+        rep = ns.replicas
+        assert rep is not None
+        with trio.fail_after(60):  # the breaker lets a trial through after backoff_max (0.5 s)
+            while _status(ns)["lag_files"]:
+                await rep.sync_round()
+                await trio.sleep(0.05)
+        return _status(ns)
+
+    st = node.run(body)
+    assert st["state"] == "in sync" and st["resent_bytes"] == sum(map(len, data.values())), st
+    _wipe(devs)
+    assert node.run(lambda ns: _read_all(ns, data)) == data
+
+
+async def _read_all(ns: Namespace, data: dict[str, bytes]) -> dict[str, bytes]:
+    return {p: await _read(ns, p) for p in data}
+
+
+def test_a_copy_changes_only_through_a_commit_that_names_exactly_its_calls(tmp_path: Path) -> None:
+    store = ReplicaStore(device_dirs(tmp_path, 2))
+    m = mf.Manifest(id=7, seq=3, kind="file", parent=ROOT_ID, name="f", size=8, stripe_size=4096, data_seq=3)
+    store.truncate(0, 7, 0, True, 11)
+    store.put(0, 7, 0, b"abcdefgh")
+    assert not store.commit(0, 7, m.encode(), store.incarnation, 2, 11)  # one call applied, not two
+    assert not store.commit(0, 7, m.encode(), store.incarnation, 1, 12)  # another reset's calls
+    assert not store.commit(0, 7, m.encode(), "an-earlier-incarnation", 1, 11)
+    assert store.listing(0) == []
+    assert store.commit(0, 7, m.encode(), store.incarnation, 1, 11)
+    assert [mf.Manifest.decode(r).seq for r in store.listing(0)] == [3]
+    assert b"".join(d for _, d in store.read(0, 7, 0, 100)) == b"abcdefgh"
+    store.put(0, 7, 0, b"X")  # a new version begins: the committed copy is gone before any byte changes
+    assert store.listing(0) == []
+    with pytest.raises(ValueError):
+        store.read(0, 7, 0, 1)
+    m2 = mf.Manifest(**{**m.__dict__, "seq": 5, "data_seq": 5})
+    assert store.commit(0, 7, m2.encode(), store.incarnation, 1, 0)
+    again = ReplicaStore(store.roots)  # a restarted buddy finds its committed copies
+    assert [mf.Manifest.decode(r).seq for r in again.listing(0)] == [5]
+    assert b"".join(d for _, d in again.read(0, 7, 0, 100)) == b"Xbcdefgh"
+    again.drop(0, 7, 4)  # drained at an older content: kept
+    assert again.listing(0)
+    again.drop(0, 7, 5)
+    assert again.listing(0) == [] and not any(list((r / "fsd-ckpt/replicas/0").glob("*0007*")) for r in store.roots)
+
+
+def test_the_replica_service_refuses_replays_strangers_and_corrupt_bytes(
+        tmp_path: Path, cluster: Callable[..., ClusterConfig], buddy: Buddy) -> None:
+    buddy.start()
+    cfg0 = cluster(0)
+    c = ReplicaClient(1, cfg0.ckpt_address(1), cfg0)
+    try:
+        c.truncate(9, 0, reset=True, epoch=1)
+        c.put(9, 0, b"hello")
+        channel = grpc.insecure_channel(cfg0.ckpt_address(1))
+        stub = peer_pb2_grpc.ReplicaStub(channel)
+        key = auth.derive_key(cfg0.secret)
+        req = peer_pb2.ReplicaPut(src=0, id=9, offset=0, data=b"world", xxh3=0)
+        meta = auth.sign(key, "Put", peer_pb2.ReplicaPut(src=0, id=9, offset=0, xxh3=0).SerializeToString())
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Put(req, metadata=meta)
+        assert e.value.code() == grpc.StatusCode.DATA_LOSS  # signed, but the bytes are not the ones hashed
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Put(req, metadata=meta)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED  # the same signed call again: a replay
+        bad = peer_pb2.ReplicaListRequest(src=1)  # node 1 keeps no copies for itself
+        with pytest.raises(grpc.RpcError) as e:
+            stub.List(bad, metadata=auth.sign(key, "List", bad.SerializeToString()))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        channel.close()
+        stranger = ReplicaClient(1, cfg0.ckpt_address(1), parse_cluster({
+            "node": 0, "nodes": list(cfg0.nodes), "secret_file": str(_other_secret(tmp_path)), "replicas": 1}))
+        with pytest.raises(ReplicaError, match="UNAUTHENTICATED"):
+            stranger.listing()
+        stranger.close()
+        assert buddy.server is not None and buddy.server.status()["refused"] == 3
+    finally:
+        c.close()
+
+
+def _other_secret(tmp_path: Path) -> Path:
+    p = tmp_path / "other-secret"
+    p.write_text("another-secret\n")
+    p.chmod(0o600)
+    return p
