@@ -15,7 +15,6 @@ bandwidth, and the order of the view's changes is kept.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import heapq
 import logging
@@ -32,7 +31,7 @@ from typing import Any
 import trio
 
 from fsd.ckpt import pending
-from fsd.ckpt.device_io import pread_full
+from fsd.ckpt.device_io import pread_full, start_writeback
 from fsd.ckpt.manifest import DATA_DIR, data_name
 from fsd.ckpt.striping import Layout, merge_ranges
 
@@ -210,7 +209,7 @@ def copy_out(device_roots: list[Path], job: DrainJob, backing_fd: int,
                         _pwrite_all(out, view[:n], off)
                     # start its write-back now: the store writes while the next block is read,
                     # instead of all of it at the fsync
-                    _start_writeback(out, off, n)
+                    start_writeback(out, off, n)
                     i = 1 - i
                     if progress is not None:
                         progress(n)
@@ -238,16 +237,6 @@ def copy_out(device_roots: list[Path], job: DrainJob, backing_fd: int,
             if fd is not None:
                 os.close(fd)
         os.close(pfd)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-SYNC_FILE_RANGE_WRITE = 2
-
-
-def _start_writeback(fd: int, off: int, n: int) -> None:
-    """Start writing [off, off+n) of *fd* back to its store without waiting (sync_file_range)."""
-    _libc.sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)  # a failure only loses the overlap
 
 
 def _pwrite_all(fd: int, view: memoryview, off: int) -> None:

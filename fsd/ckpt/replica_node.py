@@ -11,6 +11,7 @@ that a later mount can still restore them.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -21,7 +22,7 @@ from typing import Any
 import trio
 
 from fsd.ckpt import manifest as mf
-from fsd.ckpt.device_io import read_extents
+from fsd.ckpt.device_io import read_extents, start_writeback
 from fsd.ckpt.namespace import Namespace
 from fsd.ckpt.recovery import Recovered, device_identity
 from fsd.ckpt.replica_store import ReplicaStore
@@ -45,29 +46,45 @@ def fresh(roots: list[Path]) -> bool:
     return True
 
 
-def _restore_file(m: mf.Manifest, client: ReplicaClient, src: int, roots: list[Path]) -> int:
-    """Write one file's copy onto the devices in this node's layout; its bytes."""
+RESTORE_RANGE = 64 << 20
+"""Bytes of a file restored by one call: a large file comes back over several streams at once."""
+
+
+def _restore_range(m: mf.Manifest, client: ReplicaClient, src: int, roots: list[Path], off: int,
+                   length: int) -> int:
+    """Write bytes [off, off+length) of one file's copy onto the devices in this node's layout; their count
+    (write-back started as they come)."""
     n = len(roots)
     layout = Layout(m.stripe_size, n, m.start % n)
-    paths = [r / mf.DATA_DIR / mf.data_name(m.id) for r in roots]
-    fds = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600) for p in paths]
+    fds = [os.open(r / mf.DATA_DIR / mf.data_name(m.id), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+           for r in roots]
     moved = 0
     try:
-        for off, data in client.read(m.id, 0, m.size, src=src):
+        for at, data in client.read(m.id, off, length, src=src):
             view = memoryview(data)
-            for ext in layout.extents(off, len(data)):
-                rel = ext.file_off - off
+            for ext in layout.extents(at, len(data)):
+                rel = ext.file_off - at
                 os.pwrite(fds[ext.device], view[rel:rel + ext.length], ext.local_off)
+                start_writeback(fds[ext.device], ext.local_off, ext.length)
             moved += len(data)
-        if moved != m.size:
-            raise ReplicaError(f"node {client.node}: copy of file {m.id} ended at {moved} of {m.size} bytes")
-        for fd, length in zip(fds, layout.local_lengths(m.size)):
-            os.ftruncate(fd, length)
-            os.fsync(fd)
     finally:
         for fd in fds:
             os.close(fd)
+    if moved != min(length, m.size - off):
+        raise ReplicaError(f"node {client.node}: copy of file {m.id} ended {length - moved} bytes early")
     return moved
+
+
+def _finish_file(m: mf.Manifest, roots: list[Path]) -> None:
+    """The restored file's device files at their lengths and durable."""
+    layout = Layout(m.stripe_size, len(roots), m.start % len(roots))
+    for r, length in zip(roots, layout.local_lengths(m.size)):
+        fd = os.open(r / mf.DATA_DIR / mf.data_name(m.id), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, length)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def restore(src: int, roots: list[Path], clients: list[ReplicaClient]) -> dict[str, Any]:
@@ -95,15 +112,25 @@ def restore(src: int, roots: list[Path], clients: list[ReplicaClient]) -> dict[s
     files = [(m, c) for m, c in best.values() if m.kind == "file"]
     moved = 0
     restored: list[mf.Manifest] = [m for m, _ in best.values() if m.kind == "dir"]
+    failed: set[int] = set()
     with futures.ThreadPoolExecutor(8, thread_name_prefix="fsd-restore") as pool:
-        jobs = {pool.submit(_restore_file, m, c, src, roots): m for m, c in files}
+        jobs = {pool.submit(_restore_range, m, c, src, roots, off, RESTORE_RANGE): m
+                for m, c in files for off in range(0, max(m.size, 1), RESTORE_RANGE)}
         for fut in futures.as_completed(jobs):
             m = jobs[fut]
             try:
                 moved += fut.result()
-                restored.append(m)
             except (OSError, ReplicaError) as e:
-                errors.append(f"{m.name} (node {m.id}): {e}")
+                if m.id not in failed:
+                    errors.append(f"{m.name} (node {m.id}): {e}")
+                failed.add(m.id)
+        finishing = {pool.submit(_finish_file, m, roots): m for m, _ in files if m.id not in failed}
+        for fut in futures.as_completed(finishing):
+            try:
+                fut.result()
+                restored.append(finishing[fut])
+            except OSError as e:
+                errors.append(f"{finishing[fut].name} (node {finishing[fut].id}): {e}")
     for m in restored:  # manifests last: a copy cut short leaves data that recovery discards
         if m.kind == "file":
             m.devices, m.start = list(uuids), m.start % len(roots)
@@ -187,7 +214,9 @@ class CheckpointReplicas:
 
 def _read(ns: Namespace, nid: int, off: int, n: int) -> bytes:
     """Blocking: a published file's bytes from the local devices (a resend to a buddy)."""
-    fs = ns.wb.files[nid]
+    fs = ns.wb.files.get(nid)
+    if fs is None:
+        raise OSError(errno.ENOENT, f"node {nid} is gone")
     buf = bytearray(n)
     read_extents(ns.wb.devices, nid, fs.layout, off, memoryview(buf))
     return bytes(buf)

@@ -3,8 +3,13 @@
 A buddy's side of replication (:mod:`fsd.ckpt.replicate` is the source's): the ``Replica`` calls of
 :mod:`fsd.cluster.replica_rpc` land here, on grpc's threads. Layout on the devices::
 
-    fsd-ckpt/replicas/<src>/<id>        the copy's bytes, in file order, on device id % N
+    fsd-ckpt/replicas/<src>/<id>        the copy's stripes k = offset // STRIPE with (id + k) % N == d, at
+                                        their file offsets (a sparse file per device d)
     fsd-ckpt/replicas/<src>/<id>.m      its committed manifest (the source's, sealed), on every device
+
+Writes go to the page cache with their write-back started at once (``sync_file_range``), so that a
+commit's ``fdatasync`` of every device file finds little left to write, and every device takes its
+share of the copy.
 
 A copy is *committed* once its data is ``fdatasync``ed and its manifest written durably; only committed
 copies are listed and read. The first Put or Truncate after a commit removes the manifest durably before
@@ -21,10 +26,11 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fsd.ckpt.device_io import start_writeback
 from fsd.ckpt.manifest import Manifest, ManifestError, data_name, fsync_dir, meta_name, unlink_quiet, write_atomic
 
 log = logging.getLogger(__name__)
@@ -32,8 +38,8 @@ log = logging.getLogger(__name__)
 REPLICA_DIR = "fsd-ckpt/replicas"
 MAX_OFFSET = 1 << 50
 """Largest file offset a source may write (far beyond any device; refuses nonsense)."""
-PIECE = 4 << 20
-"""Bytes per piece of a read."""
+STRIPE = 4 << 20
+"""Bytes of a copy per device in turn; also the largest piece of a read."""
 
 
 @dataclass
@@ -63,8 +69,27 @@ class ReplicaStore:
     def _dir(self, root: Path, src: int) -> Path:
         return root / REPLICA_DIR / str(src)
 
-    def _data(self, src: int, nid: int) -> Path:
-        return self._dir(self.roots[nid % len(self.roots)], src) / data_name(nid)
+    def _data(self, src: int, nid: int, dev: int) -> Path:
+        return self._dir(self.roots[dev], src) / data_name(nid)
+
+    def _pieces(self, nid: int, offset: int, end: int) -> Iterator[tuple[int, int, int]]:
+        """``(device, offset, length)`` of [offset, end), one per stripe."""
+        while offset < end:
+            k = offset // STRIPE
+            n = min(end, (k + 1) * STRIPE) - offset
+            yield (nid + k) % len(self.roots), offset, n
+            offset += n
+
+    def _each_file(self, src: int, nid: int, fn: Callable[[int], None]) -> None:
+        """``fn(fd)`` for the copy's file on every device (created if missing)."""
+        for d in range(len(self.roots)):
+            path = self._data(src, nid, d)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fn(fd)
+            finally:
+                os.close(fd)
 
     def _load(self) -> None:
         """The committed copies on the devices (per copy, the manifest with the highest seq)."""
@@ -121,16 +146,20 @@ class ReplicaStore:
         c = self._copy(src, nid)
         with c.lock:
             self._invalidate(src, nid, c)
-        path = self._data(src, nid)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                n = os.pwrite(fd, view, offset)
-                view, offset = view[n:], offset + n
-        finally:
-            os.close(fd)
+        view = memoryview(data)
+        for dev, off, n in self._pieces(nid, offset, offset + len(data)):
+            path = self._data(src, nid, dev)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                piece = view[off - offset:off - offset + n]
+                at = off
+                while piece:
+                    w = os.pwrite(fd, piece, at)
+                    piece, at = piece[w:], at + w
+                start_writeback(fd, off, n)  # now: a commit's fdatasync finds little left
+            finally:
+                os.close(fd)
         with c.lock:
             self._invalidate(src, nid, c)  # a commit that slipped in while the bytes were written
             c.calls += 1
@@ -143,13 +172,7 @@ class ReplicaStore:
         c = self._copy(src, nid)
         with c.lock:
             self._invalidate(src, nid, c)
-            path = self._data(src, nid)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
+            self._each_file(src, nid, lambda fd: os.ftruncate(fd, size))
             if reset:
                 c.calls, c.epoch = 0, epoch
             else:
@@ -171,15 +194,13 @@ class ReplicaStore:
                          "" if not incarnation or incarnation == self.incarnation else " to an earlier incarnation")
                 return False
             if m.kind == "file":
-                path = self._data(src, nid)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                try:
+                def durable(fd: int) -> None:
                     os.ftruncate(fd, m.size)
                     os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-                fsync_dir(path.parent)
+
+                self._each_file(src, nid, durable)
+                for root in self.roots:
+                    fsync_dir(self._dir(root, src))
             self._on_every_device(src, lambda d: write_atomic(d, meta_name(nid), raw, tag=m.seq))
             c.committed, c.raw, c.calls, c.epoch = m, raw, 0, 0
             self.commits += 1
@@ -192,7 +213,8 @@ class ReplicaStore:
             if data_seq and (c.committed is None or c.committed.data_seq > data_seq):
                 return  # newer content, or a new version on its way: not what was drained
             self._invalidate(src, nid, c)
-            unlink_quiet(self._data(src, nid))
+            for d in range(len(self.roots)):
+                unlink_quiet(self._data(src, nid, d))
             c.calls, c.epoch = 0, 0
         with self._lock:
             self._copies.pop((src, nid), None)
@@ -215,18 +237,22 @@ class ReplicaStore:
             m = c.committed
         if m is None or m.kind != "file":
             raise ValueError(f"no committed copy of file {nid} of node {src}")
-        end = min(m.size, offset + length)
-        return self._pieces(self._data(src, nid), offset, end)
+        return self._read(src, nid, offset, min(m.size, offset + length))
 
-    @staticmethod
-    def _pieces(path: Path, offset: int, end: int) -> Iterator[tuple[int, bytes]]:
-        with open(path, "rb", buffering=0) as f:
-            while offset < end:
-                data = os.pread(f.fileno(), min(PIECE, end - offset), offset)
-                if not data:  # shorter than its manifest: cannot happen after a commit's ftruncate
-                    raise OSError(errno.EIO, f"{path} ends at {offset}")
-                yield offset, data
-                offset += len(data)
+    def _read(self, src: int, nid: int, offset: int, end: int) -> Iterator[tuple[int, bytes]]:
+        fds: dict[int, int] = {}
+        try:
+            for dev, off, n in self._pieces(nid, offset, end):
+                if dev not in fds:
+                    fds[dev] = os.open(self._data(src, nid, dev), os.O_RDONLY | os.O_CLOEXEC)
+                    os.posix_fadvise(fds[dev], 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                data = os.pread(fds[dev], n, off)
+                if len(data) != n:  # shorter than its manifest: cannot happen after a commit's ftruncate
+                    raise OSError(errno.EIO, f"copy of node {nid} of node {src} ends at {off + len(data)}")
+                yield off, data
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     def status(self) -> dict[str, object]:
         """For ``.fsd/status``: copies kept per source node."""

@@ -262,7 +262,10 @@ class Replicator:
             with trio.move_on_after(ROUND_S):
                 await self._kick.wait()
             self._kick = trio.Event()
-            await self.sync_round()
+            try:
+                await self.sync_round()
+            except Exception:  # a bug here must not end the mount: the local files are durable regardless
+                log.exception("replicas: a round with the buddies failed")
 
     async def sync_round(self) -> None:
         """One comparison and its calls, every buddy at once (one round at a time)."""
@@ -353,7 +356,7 @@ class Replicator:
                             b.epoch[nid] = 0
                     else:
                         b.refused += 1
-            if not ok and idle:
+            if not ok and idle and self.latest.get(nid) is m:
                 ok = self._resend(b, m, raw)
             elif not ok:
                 with self.lock:
@@ -375,7 +378,14 @@ class Replicator:
             inc = b.client.truncate(nid, 0, reset=True, epoch=epoch)
             n = 0
             for off in range(0, m.size, RESEND_PIECE):
-                data = self.read(nid, off, min(RESEND_PIECE, m.size - off))
+                try:
+                    data = self.read(nid, off, min(RESEND_PIECE, m.size - off))
+                except OSError as e:  # unlinked or cut meanwhile: its next version, if any, is sent then
+                    log.info("replicas: resend of node %d to node %d stopped: %s", nid, b.node, e)
+                    with self.lock:
+                        if b.state.get(nid) == RESENDING:
+                            b.state[nid] = STALE
+                    return False
                 if b.client.put(nid, off, data) != inc:
                     raise ReplicaError(f"node {b.node} restarted during a resend")
                 n += 1
