@@ -139,8 +139,9 @@ def restore(src: int, roots: list[Path], clients: list[ReplicaClient]) -> dict[s
     report = {"from_nodes": reached, "files": sum(1 for m in restored if m.kind == "file"),
               "dirs": sum(1 for m in restored if m.kind == "dir"), "bytes": moved,
               "seconds": round(time.monotonic() - t0, 3), "errors": errors}
-    if errors:
-        log.error("restore from buddies: %d problems, the first: %s", len(errors), errors[0])
+    if errors:  # on a cluster's first start the buddies may simply not be up yet
+        log.warning("restore from buddies: %d problems (copies not restored are kept on the buddies for a "
+                    "later mount), the first: %s", len(errors), errors[0])
     log.info("restored %d files (%.1f MB) and %d directories of node %d from node(s) %s in %.1f s",
              report["files"], moved / 1e6, report["dirs"], src, reached, report["seconds"])
     return report

@@ -323,3 +323,29 @@ def _other_secret(tmp_path: Path) -> Path:
     p.write_text("another-secret\n")
     p.chmod(0o600)
     return p
+
+
+def test_a_file_gone_while_its_copy_is_sent_again_ends_that_resend_only(
+        tmp_path: Path, cluster: Callable[..., ClusterConfig], buddy: Buddy) -> None:
+    from fsd.ckpt.replicate import Replicator
+
+    buddy.start()
+    cfg = cluster(0)
+
+    def gone(nid: int, off: int, n: int) -> bytes:
+        raise OSError(errno.ENOENT, "unlinked")
+
+    rep = Replicator([ReplicaClient(1, cfg.ckpt_address(1), cfg)], gone, fsync="local")
+    m = mf.Manifest(id=5, seq=9, kind="file", parent=ROOT_ID, name="f", size=100, stripe_size=4096, data_seq=9)
+
+    async def main() -> dict[str, Any]:
+        rep.published(m)  # never flushed to the buddy: sent whole, from devices that no longer have it
+        await rep.sync_round()
+        return rep.status()["buddies"][0]
+
+    try:
+        st = trio.run(main)
+    finally:
+        rep.close()
+    assert st["lag_files"] == 1 and st["stale_files"] == 1 and st["commits"] == 0, st
+    assert buddy.store is not None and buddy.store.listing(0) == []
