@@ -264,9 +264,9 @@ def _show_status(doc: dict[str, Any]) -> str:
 
 
 def _format_status(doc: dict[str, Any], indent: str = "") -> str:
-    from fsd.status import cluster_lines
+    from fsd.status import cluster_lines, replica_lines
 
-    lines = [] if indent else cluster_lines(doc)
+    lines = [] if indent else cluster_lines(doc) + replica_lines(doc)
     for k in sorted(doc):
         v = doc[k]
         if isinstance(v, dict) and v:

@@ -89,5 +89,22 @@ def cluster_lines(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def replica_lines(doc: dict[str, Any]) -> list[str]:
+    """``fsd status``'s summary of a checkpoint mount's buddy replicas (the ``replicas`` key), one line per
+    buddy: is the latest of every file there (its lag), and what moved."""
+    rep = doc.get("replicas")
+    if not isinstance(rep, dict) or not isinstance(rep.get("to_buddies"), dict):
+        return []
+    tb = rep["to_buddies"]
+    out = [f"replicas: fsync {tb.get('fsync')} (EIO after {tb.get('timeout_s')} s), "
+           f"{tb.get('fsync_failures', 0)} fsyncs failed"]
+    for b in tb.get("buddies") or []:
+        err = f"; last error: {b['last_error']}" if b.get("last_error") and b.get("state") != "in sync" else ""
+        out.append(f"  buddy {b.get('node')} {b.get('address')}: {b.get('state')}; lag {b.get('lag_files')} files "
+                   f"({_mib(b.get('lag_bytes'))}), sent {_mib(b.get('sent_bytes'))}, sent again "
+                   f"{_mib(b.get('resent_bytes'))}{err}")
+    return out
+
+
 __all__ = ["CONTROL_DIR", "CONTROL_FILE", "DRAINED_XATTR", "ERROR_FILE", "NO_WAIT_DRAIN", "STATUS_FILE",
-           "UNMOUNT_REPORT", "UNMOUNT_XATTR", "cluster_lines", "control_path", "read_status", "read_unmount_report"]
+           "UNMOUNT_REPORT", "UNMOUNT_XATTR", "cluster_lines", "replica_lines", "control_path", "read_status", "read_unmount_report"]

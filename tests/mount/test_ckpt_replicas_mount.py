@@ -14,13 +14,14 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import device_dirs, wait_until
+from conftest import REPO, device_dirs, wait_until
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(300)]
 
@@ -63,11 +64,11 @@ class Pair:
                          f'connect_timeout = 0.5\nbackoff_max = 1.0\n{extra}'.replace("'", '"'))
             self.files.append(f)
 
-    def mount(self, k: int, *more: str) -> Any:
+    def mount(self, k: int, *more: str, drain: bool = False) -> Any:
         base = self.tmp / f"node{k}"
         return self.mounter(["--checkpoints", base / "ckpt", "--at", base / "mnt", "--devices",
-                             ",".join(map(str, self.devices[k])), "--cluster", self.files[k], "--no-drain",
-                             "--stripe-size", "1M", *more], base / "mnt")
+                             ",".join(map(str, self.devices[k])), "--cluster", self.files[k],
+                             "--drain" if drain else "--no-drain", "--stripe-size", "1M", *more], base / "mnt")
 
 
 def _kill(m: Any) -> None:
@@ -144,3 +145,22 @@ def test_a_buddy_that_is_down_fails_a_replicated_fsync_with_eio_within_the_bound
         os.fsync(f.fileno())  # "local": durable here, whatever the buddy does
     assert (m0.mountpoint / "b.pt").read_bytes() == data
     assert _buddy(m0)["lag_files"] == 1
+
+
+def test_a_drained_file_leaves_the_buddy_and_fsd_status_shows_the_buddy(tmp_path: Path, mounter: Any) -> None:
+    pair = Pair(tmp_path, mounter, fsync="replicated")
+    m1 = pair.mount(1)
+    m0 = pair.mount(0, drain=True)
+    data = os.urandom(3 << 20)
+    with open(m0.mountpoint / "model.pt", "wb") as f:
+        f.write(data)
+        os.fsync(f.fileno())
+    kept = m1.status()["replicas"]["kept"]["kept"]
+    assert kept["0"]["nodes"] == 1 and kept["0"]["bytes"] == len(data), kept  # on the buddy until drained
+    out = subprocess.run([sys.executable, "-m", "fsd.cli", "status", str(m0.mountpoint)], capture_output=True,
+                         text=True, cwd=REPO, check=True).stdout
+    assert "replicas: fsync replicated" in out and "buddy 1 " in out, out
+    assert wait_until(lambda: (tmp_path / "node0" / "ckpt" / "model.pt").exists()
+                      and not m1.status()["replicas"]["kept"]["kept"], 60, "the drained copy dropped on the buddy")
+    assert (tmp_path / "node0" / "ckpt" / "model.pt").read_bytes() == data
+    assert _buddy(m0)["committed"] == 0 and _buddy(m0)["lag_files"] == 0
