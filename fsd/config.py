@@ -16,6 +16,7 @@ Example::
     stripe_size = "8M"
     dirty_limit = "4G"
     drain = true
+    cluster = "/etc/fsd/cluster.toml"  # optional, with `replicas` in it: copies on buddy nodes
 
 Each section becomes one ``fsd mount ... --daemon`` process (one pyfuse3
 session per process).
@@ -36,7 +37,8 @@ _DATA_KEYS = {"source": "--data", "at": "--at", "ram_cache": "--ram-cache", "ssd
               "log": "--log", "allow_other": "--allow-other", "cluster": "--cluster", "metrics_port": "--metrics-port"}
 _CKPT_KEYS = {"dir": "--checkpoints", "at": "--at", "devices": "--devices", "stripe_size": "--stripe-size",
               "dirty_limit": "--dirty-limit", "drain": "--drain",
-              "keep_on_devices": "--keep-on-devices", "log": "--log", "allow_other": "--allow-other"}
+              "keep_on_devices": "--keep-on-devices", "log": "--log", "allow_other": "--allow-other",
+              "cluster": "--cluster"}
 _NEGATED = {"--drain": "--no-drain"}  # flags on by default
 _SECTIONS = {"data": (_DATA_KEYS, "source"), "checkpoints": (_CKPT_KEYS, "dir")}
 
@@ -63,8 +65,8 @@ def load(path: Path) -> dict[str, Any]:
             raise FsdError(f"config {path}: unknown key(s) {sorted(bad)} in [{name}]; valid: {sorted(keys)}")
         if required not in section:
             raise FsdError(f"config {path}: [{name}] needs `{required}`")
-        if name == "data" and "cluster" in section and not isinstance(section["cluster"], str):
-            raise FsdError(f"config {path}: [data] `cluster` must be the path of a cluster file (docs/CLUSTER.md)")
+        if "cluster" in section and not isinstance(section["cluster"], str):
+            raise FsdError(f"config {path}: [{name}] `cluster` must be the path of a cluster file (docs/CLUSTER.md)")
     return doc
 
 

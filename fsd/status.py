@@ -107,4 +107,5 @@ def replica_lines(doc: dict[str, Any]) -> list[str]:
 
 
 __all__ = ["CONTROL_DIR", "CONTROL_FILE", "DRAINED_XATTR", "ERROR_FILE", "NO_WAIT_DRAIN", "STATUS_FILE",
-           "UNMOUNT_REPORT", "UNMOUNT_XATTR", "cluster_lines", "replica_lines", "control_path", "read_status", "read_unmount_report"]
+           "UNMOUNT_REPORT", "UNMOUNT_XATTR", "cluster_lines", "control_path", "read_status", "read_unmount_report",
+           "replica_lines"]

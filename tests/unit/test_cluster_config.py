@@ -192,6 +192,24 @@ def test_fsd_up_passes_the_cluster_file_and_metrics_port(tmp_path: Path) -> None
         config.load(p)
 
 
+def test_checkpoint_replica_keys(tmp_path: Path, secret: Path) -> None:
+    from fsd import config
+
+    head = f'node = 1\nnodes = ["127.0.0.1:7070", "127.0.0.1:7080", "127.0.0.1:7090"]\nsecret_file = "{secret.name}"\n'
+    cfg = load_cluster(_write(tmp_path, head))
+    assert cfg.replicas == 0 and cfg.fsync == "local" and cfg.buddies() == []
+    cfg = load_cluster(_write(tmp_path, head + 'replicas = 2\nfsync = "replicated"\nckpt_port_offset = 5\n'))
+    assert cfg.buddies() == [2, 0] and cfg.ckpt_address(2) == "127.0.0.1:7095" and cfg.ckpt_listen() == "127.0.0.1:7085"
+    assert "`replicas` must be an integer in 0..2" in _err(load_cluster, _write(tmp_path, head + "replicas = 3\n"))
+    assert "`fsync` must be one of" in _err(load_cluster, _write(tmp_path, head + 'replicas = 1\nfsync = "always"\n'))
+    assert "needs `replicas` >= 1" in _err(load_cluster, _write(tmp_path, head + 'fsync = "replicated"\n'))
+    assert "past port 65535" in _err(load_cluster, _write(tmp_path, head + "ckpt_port_offset = 60000\n"))
+    p = tmp_path / "up.toml"
+    p.write_text('[checkpoints]\ndir = "/c"\ndevices = ["/n0"]\ncluster = "/etc/fsd/cluster.toml"\n')
+    argv = config.mount_argv("checkpoints", config.load(p)["checkpoints"])
+    assert argv[argv.index("--cluster") + 1] == "/etc/fsd/cluster.toml"
+
+
 def test_tls_files_all_three_or_none(tmp_path: Path, secret: Path) -> None:
     head = f'node = 0\nnodes = ["127.0.0.1:7070", "127.0.0.1:7071"]\nsecret_file = "{secret.name}"\n'
     assert load_cluster(_write(tmp_path, head)).tls is None
