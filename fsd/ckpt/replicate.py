@@ -269,9 +269,14 @@ class Replicator:
 
     async def sync_round(self) -> None:
         """One comparison and its calls, every buddy at once (one round at a time)."""
-        async with self._round_lock, trio.open_nursery() as n:
-            for b in self.buddies.values():
-                n.start_soon(self._sync_buddy, b)
+        async with self._round_lock:
+            async with trio.open_nursery() as n:
+                for b in self.buddies.values():
+                    n.start_soon(self._sync_buddy, b)
+            with self.lock:  # drained and dropped everywhere: no longer compared each round
+                held = set().union(*(b.committed for b in self.buddies.values()))
+            for nid in [nid for nid in self.latest if nid not in held and self.drained(nid)]:
+                del self.latest[nid]
         self.rounds += 1
         done, self._round_done = self._round_done, trio.Event()
         done.set()
