@@ -9,7 +9,10 @@ unmount --no-wait-drain``), the space manager and the control directory's expiry
 nursery), and last the namespace's settling (every file durable and published, metadata too),
 which is therefore the first thing done at unmount. The first pushed, so the last done, is the
 unmount report: what the stop could not do, in the log, on the devices for ``fsd unmount`` and in
-the daemon's exit status.
+the daemon's exit status. With a cluster file and ``replicas`` (:mod:`fsd.ckpt.replica_node`): the
+restore from the buddies before recovery (empty devices only), the replicator's hooks on the namespace,
+the replica listener once built; its last round with the buddies right after the settling, its
+channels and listener closed last.
 """
 
 from __future__ import annotations
