@@ -6,6 +6,8 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -95,6 +97,12 @@ class Mount:
         finally:
             os.close(fd)
 
+    def kill(self) -> None:
+        """SIGKILL the daemon's session (nothing of its stop runs), then detach the dead mount."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
+
     def close(self, timeout: float = 60) -> int | None:
         """Unmount (lazily, then by aborting the connection, if needed) and reap the daemon."""
         from fsd.mount import UNMOUNT_BUSY_RETRIES, abort_connection
@@ -163,6 +171,23 @@ def make_tree(root: Path, n_classes: int = 3, per_class: int = 5, size: int = 10
     (root / "readme.txt").write_text("not a sample\n")
     os.utime(root / "readme.txt", ns=(1_000_000_000, 2_000_000_000))
     os.chmod(root / "readme.txt", 0o640)
+
+
+def free_port_pair() -> int:
+    """A port p of loopback with p and p+1 free now (a cluster node's address and its checkpoint daemon's)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p >= 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free pair of ports")
 
 
 def device_dirs(tmp_path: Path, n: int) -> list[Path]:

@@ -8,7 +8,6 @@ import hashlib
 import json
 import mmap
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -46,13 +45,6 @@ def _settled(m: Any) -> dict:
         return None if s["pending_durability"] else s
 
     return wait_until(ready, what="durability")
-
-
-def _kill(m: Any) -> None:
-    """SIGKILL the daemon and detach the dead mount."""
-    m.proc.send_signal(signal.SIGKILL)
-    m.proc.wait(10)
-    subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)], capture_output=True)
 
 
 def _sha(p: Path) -> str:
@@ -258,7 +250,7 @@ def test_kill9_keeps_fsynced_files_and_hides_unfinished_ones(ck: Ckpt, mounter: 
     f2 = open(ck.mnt / "ckpt" / "tmp-1.pt", "wb")
     f2.write(os.urandom(20 * MiB))
     f2.flush()
-    _kill(m)
+    m.kill()
     try:
         f2.close()
     except OSError:
@@ -280,7 +272,7 @@ def test_modified_published_file_is_reported_not_truncated_after_crash(ck: Ckpt,
     f.seek(MiB)
     f.write(b"z" * MiB)
     f.flush()
-    _kill(m)
+    m.kill()
     try:
         f.close()
     except OSError:

@@ -8,7 +8,6 @@ import errno
 import json
 import os
 import shutil
-import signal
 import stat
 import subprocess
 import tempfile
@@ -60,13 +59,6 @@ def shared() -> Iterator[Setup]:
         yield Setup(d)
     finally:
         shutil.rmtree(d, ignore_errors=True)
-
-
-def _kill(m: Any) -> None:
-    """SIGKILL the daemon and detach the dead mount."""
-    m.proc.send_signal(signal.SIGKILL)
-    m.proc.wait(10)
-    subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)], capture_output=True)
 
 
 def _errno(fn: Any, *args: Any) -> int:
@@ -136,7 +128,7 @@ def test_fsynced_chmod_chown_utime_survive_sigkill(ck: Setup, mounter: Any) -> N
     os.fsync(dfd)
     os.close(dfd)
     want = {p: _meta(p) for p in (f, d)}
-    _kill(m)
+    m.kill()
     mounter(ck.args(), ck.mnt)
     assert {p: _meta(p) for p in (f, d)} == want
 
@@ -322,7 +314,7 @@ def test_a_file_renamed_while_open_after_fsync_is_complete_after_close_and_sigki
     os.rename(ck.mnt / "tmp.pt", ck.mnt / "final.pt")  # still open for writing
     f.close()
     wait_until(lambda: not m.status()["pending_durability"], what="publish after close")
-    _kill(m)
+    m.kill()
     mounter(ck.args(), ck.mnt)
     assert (ck.mnt / "final.pt").read_bytes() == data
 

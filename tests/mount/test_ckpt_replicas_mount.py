@@ -12,7 +12,6 @@ import errno
 import hashlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,25 +20,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, device_dirs, wait_until
+from conftest import REPO, device_dirs, free_port_pair, wait_until
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(300)]
 
 
-def _free_pair() -> int:
-    import socket
-
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free pair of ports")
 
 
 class Pair:
@@ -50,7 +35,7 @@ class Pair:
         secret = tmp_path / "secret"
         secret.write_text("replica-mount-secret\n")
         secret.chmod(0o600)
-        nodes = [f"127.0.0.1:{_free_pair()}" for _ in range(2)]
+        nodes = [f"127.0.0.1:{free_port_pair()}" for _ in range(2)]
         self.devices: list[list[Path]] = []
         self.files: list[Path] = []
         for k in range(2):
@@ -69,12 +54,6 @@ class Pair:
         return self.mounter(["--checkpoints", base / "ckpt", "--at", base / "mnt", "--devices",
                              ",".join(map(str, self.devices[k])), "--cluster", self.files[k],
                              "--drain" if drain else "--no-drain", "--stripe-size", "1M", *more], base / "mnt")
-
-
-def _kill(m: Any) -> None:
-    m.proc.send_signal(signal.SIGKILL)
-    m.proc.wait(10)
-    subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)], capture_output=True)
 
 
 def _sha(p: Path) -> str:
@@ -106,7 +85,7 @@ def test_a_killed_node_with_wiped_devices_restores_its_fsynced_checkpoint_from_i
     b = _buddy(m0)  # each fsync returned once its content was committed there: kill at once
     assert b["resent_bytes"] == 0 and b["refused_commits"] == 0 and b["failures"] == 0, b  # all streamed
 
-    _kill(m0)  # the node is lost before any drain (--no-drain): only the buddy has the checkpoint
+    m0.kill()  # the node is lost before any drain (--no-drain): only the buddy has the checkpoint
     for d in pair.devices[0]:
         shutil.rmtree(d)
         d.mkdir()

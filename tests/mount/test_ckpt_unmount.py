@@ -20,13 +20,6 @@ pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
 MiB = 1 << 20
 
 
-def _kill(m: Any) -> None:
-    """SIGKILL the daemon (nothing of its stop runs), then detach the dead mount."""
-    os.killpg(m.proc.pid, signal.SIGKILL)
-    m.proc.wait(30)
-    subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)], capture_output=True)
-
-
 def _write(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -66,7 +59,7 @@ def test_removed_and_renamed_names_stay_so_whatever_the_flags(tmp_path: Path, mo
     os.rename(ck.mnt / "d2", ck.mnt / "d2r")
     assert set(os.listdir(ck.mnt)) == KEPT
     if stop == "sigkill":
-        _kill(m)
+        m.kill()
     else:
         rc, err = fsd_unmount(m, *(["--no-wait-drain"] if stop == "no-wait-drain" else []), check=False)
         assert rc == 0, err

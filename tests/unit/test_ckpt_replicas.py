@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import socket
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 import trio
-from conftest import device_dirs
+from conftest import device_dirs, free_port_pair
 
 from fsd.ckpt import manifest as mf
 from fsd.ckpt.manifest import ROOT_ID
@@ -34,21 +33,6 @@ KiB = 1 << 10
 UID, GID = os.getuid(), os.getgid()
 
 
-def _free_pair() -> int:
-    """A port p with p and p+1 free on loopback (node address and checkpoint address)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p >= 65535:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free pair of ports")
 
 
 @pytest.fixture
@@ -57,7 +41,7 @@ def cluster(tmp_path: Path) -> Callable[..., ClusterConfig]:
     secret = tmp_path / "secret"
     secret.write_text("replica-test-secret\n")
     secret.chmod(0o600)
-    nodes = [f"127.0.0.1:{_free_pair()}" for _ in range(2)]
+    nodes = [f"127.0.0.1:{free_port_pair()}" for _ in range(2)]
 
     def make(node: int, **keys: Any) -> ClusterConfig:
         table = {"node": node, "nodes": nodes, "secret_file": str(secret), "replicas": 1, "connect_timeout": 0.5,
