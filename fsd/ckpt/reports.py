@@ -49,7 +49,8 @@ def namespace_status(ns: Namespace) -> dict[str, Any]:
 def unmount_report(ns: Namespace) -> tuple[list[str], list[str]]:
     """(problems, notes) once stopped: every file whose data is lost or not durable, every device
     that failed, every copy or change the drain failed or left undone although the unmount waited
-    for it; notes say what a ``--no-wait-drain`` unmount left to the next mount. One line each."""
+    for it; notes say what a ``--no-wait-drain`` unmount left to the next mount, and which buddy lacks
+    what. One line each."""
     problems = list(ns.stop_problems)
     for node in ns.nodes.values():
         if node.fs is None or node.backing or not node.linked:
@@ -74,4 +75,10 @@ def unmount_report(ns: Namespace) -> tuple[list[str], list[str]]:
         elif d.queued:
             notes.append(f"{d.queued} drain jobs ({d.queued_bytes / 1e6:.1f} MB) left to the next mount "
                          "over these devices (--no-wait-drain)")
+    if ns.replicas is not None:  # durable here; a buddy behind is brought up to date when both are up
+        for b in ns.replicas.status()["buddies"]:
+            if b["lag_files"]:
+                notes.append(f"buddy node {b['node']} lacks the latest version of {b['lag_files']} files "
+                             f"({b['lag_bytes'] / 1e6:.1f} MB; {b['last_error'] or 'behind'}): sent when this node "
+                             "and it are mounted again")
     return problems, notes

@@ -44,7 +44,8 @@ def test_bench_cluster_direct_and_local_end_to_end(tmp_path: Path) -> None:
     memcgs = set(benchlib.stale_memcgs())  # other people's benchmarks may come and go meanwhile
     files, epochs = 192, 3
     p = subprocess.run([str(REPO / "tools/bench-cluster"), "--quick", "--nodes", "1,2", "--ways", "direct,local",
-                        "--files", str(files), "--compute-ms", "30", "--link-samples", "200", "--budget-frac", "0.6",
+                        "--files", str(files), "--epochs", str(epochs), "--compute-ms", "30", "--link-samples", "200",
+                        "--budget-frac", "0.6",
                         "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=190, cwd=tmp_path, env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -94,8 +95,14 @@ def test_bench_cluster_direct_and_local_end_to_end(tmp_path: Path) -> None:
     link = r["peer_link"]
     assert link["mb_s"] > 0 and link["efficiency"] == pytest.approx(link["mb_s"] * 1e6 / 100e6, abs=2e-3)
     assert r["targets"]["peer_link_efficiency"]["value"] == link["efficiency"]
-    for k in ("pfs_read_ratio", "cluster_speedup_vs_local", "cluster_speedup_vs_direct", "weak_scaling"):
+    for k in ("pfs_read_ratio", "cluster_speedup_vs_local", "cluster_speedup_vs_direct", "weak_scaling",
+              "fraction_of_cluster_bound", "peer_cpu_us_per_sample"):
         assert r["targets"][k] == {"value": None, "target": r["targets"][k]["target"], "met": None}  # no cluster run
+    # the regime: a PFS pass of the dataset over one compute epoch at K = 2, and the cluster's bound
+    assert r["epochs"] == epochs and r["compute_epoch_s"] == pytest.approx(math.ceil(files / 2 / 16) * 0.030)
+    assert r["pfs_pass_s"] == pytest.approx(ds / (24 << 20), abs=0.01)
+    assert r["pfs_pass_over_compute_epoch"] == pytest.approx(r["pfs_pass_s"] / r["compute_epoch_s"], rel=0.01)
+    assert r["cluster_bound_s"] == pytest.approx(r["pfs_pass_s"] + (epochs - 1) * r["compute_epoch_s"], abs=0.01)
     assert Path(r["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(Path(r["result_json"]).read_text())["runs"] == r["runs"]
 

@@ -23,6 +23,7 @@ from fsd.ckpt.namespace import Namespace
 from fsd.ckpt.parts import build_namespace, start_namespace
 from fsd.ckpt.replica_node import CheckpointReplicas, fresh
 from fsd.ckpt.replica_store import ReplicaStore
+from fsd.ckpt.reports import unmount_report
 from fsd.cluster import auth, peer_pb2, peer_pb2_grpc
 from fsd.cluster.config import ClusterConfig, parse_cluster
 from fsd.cluster.replica_rpc import ReplicaClient, ReplicaError, ReplicaServer
@@ -70,6 +71,7 @@ class Node:
             await trio.to_thread.run_sync(reps.before_recovery)
             ns = build_namespace(self.devices, stripe_size=64 * KiB, dirty_limit=8 << 20, threads_per_device=1,
                                  chunk_size=64 * KiB, on_recovered=lambda ns, rec: reps.attach(ns, rec, 8 << 20))
+            self.ns = ns
             if serve:
                 reps.serve()
             async with trio.open_nursery() as nursery:
@@ -208,8 +210,11 @@ def test_a_buddy_that_is_down_fails_a_replicated_fsync_within_the_bound_and_neve
         await _write(ns, "b", data)
         return await _read(ns, "b"), _status(ns)
 
-    got, st = Node(cluster(0, fsync="local", replica_timeout=1.0), devs).run(local)
+    node = Node(cluster(0, fsync="local", replica_timeout=1.0), devs)
+    got, st = node.run(local)
     assert got == data and st["lag_files"] >= 1  # durable here; the buddy is behind and status says so
+    problems, notes = unmount_report(node.ns)
+    assert not problems and any(n.startswith("buddy node 1 lacks the latest version of 2 files") for n in notes), notes
 
 
 def test_a_buddy_that_comes_back_is_brought_up_to_date(
@@ -333,3 +338,42 @@ def test_a_file_gone_while_its_copy_is_sent_again_ends_that_resend_only(
         rep.close()
     assert st["lag_files"] == 1 and st["stale_files"] == 1 and st["commits"] == 0, st
     assert buddy.store is not None and buddy.store.listing(0) == []
+
+
+def test_a_buddy_restarted_between_the_bytes_and_the_commit_gets_the_file_again_whole(
+        tmp_path: Path, cluster: Callable[..., ClusterConfig], buddy: Buddy) -> None:
+    """The buddy's process restarts after a file's bytes reached it and before its commit: whatever it
+    still holds of them, its new incarnation refuses the commit, and the file is sent again whole."""
+    buddy.start()
+    devs = device_dirs(tmp_path, 2)
+    data = _payload(300 * KiB, 1)
+    node = Node(cluster(0, fsync="local"), devs)
+
+    async def body(ns: Namespace) -> dict[str, Any]:
+        rep = ns.replicas
+        assert rep is not None
+        with trio.fail_after(60):
+            while rep.rounds < 1:  # the first round has listed the buddy
+                await trio.sleep(0.01)
+        node_ = await ns.create(ns.nodes[ROOT_ID], b"f", 0o644, UID, GID)
+        ns.opened(node_, writable=True)
+        await ns.write(node_, 0, data)
+        async with rep._round_lock:  # no round meanwhile: the restart comes before the commit
+            await ns.fsync(node_)
+            with trio.fail_after(60):  # every byte on the buddy, through the flush hook
+                while rep.buddies[1].flying or _status(ns)["sent_bytes"] < len(data):
+                    await trio.sleep(0.01)
+            await trio.to_thread.run_sync(buddy.stop)
+            await trio.to_thread.run_sync(buddy.start)  # a new process: a new incarnation
+        ns.closed(node_, writable=True)
+        with trio.fail_after(60):
+            while _status(ns)["lag_files"]:
+                await rep.sync_round()
+                await trio.sleep(0.05)
+        return _status(ns)
+
+    st = node.run(body)
+    assert buddy.store is not None and buddy.store.refused_commits >= 1, st
+    assert st["resent_bytes"] >= len(data) and st["state"] == "in sync", st
+    _wipe(devs)
+    assert node.run(lambda ns: _read_all(ns, {"f": data})) == {"f": data}
