@@ -29,7 +29,8 @@ from .compat import Built, PlanError
 from .config import ClusterConfig, ClusterConfigError, check_node_ranks, join_address, split_address
 from .metrics import MetricsServer
 from .ownership import ClusterPlan
-from .source import RECENT_BYTES, ClusterSource, OwnedStore, PfsFiles, RecentBuffer, SourceCounters
+from .source import ClusterSource, SourceCounters
+from .stores import RECENT_BYTES, OwnedStore, PfsFiles, RecentBuffer
 from .transport import ClusterNode
 
 log = logging.getLogger(__name__)

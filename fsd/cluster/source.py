@@ -17,6 +17,8 @@ One :class:`ClusterSource` per shared plan. The dataset cache's fetch threads ca
 
 :meth:`ClusterSource.serve` answers a peer's request (grpc threads): only owned files (and
 what the small :class:`RecentBuffer` holds), by file id; the bytes are the PFS's own.
+A membership thread (:meth:`ClusterSource.refresh`) keeps which peers are down and computes the
+owner maps, so that neither a probe nor a map computation ever holds up a fetch or a serve.
 Everything here blocks: worker threads only, never the trio loop.
 """
 
@@ -28,14 +30,15 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from . import stats as st
 from .compat import start_thread
 from .ownership import Ownership
-from .transport import PeerClient, Peers, checksum
+from .stores import OwnedStore, PfsFiles, RecentBuffer, Sample, pfs_sample
+from .transport import PeerClient, Peers
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +46,6 @@ HELLO_EVERY_S = 0.5
 """How often a peer with another plan (or none yet) is asked again before fetching from it."""
 HELLO_GRACE_EVERY_S = 0.05
 """The same while the plan is new (the peers are applying theirs): a batch waits for them."""
-RECENT_BYTES = 4 << 20
-"""Most bytes of recently read files kept for a peer's request that follows (at most 1/32 of the
-store as well: it is memory beyond the node's tier budget, not a second cache)."""
 BATCH_THREADS = 2
 """Streaming calls in flight per owner."""
 BATCH_POOL_MAX = 32
@@ -60,106 +60,13 @@ HEDGE_FACTOR = 8
 ``HEDGE_MIN_S``) is read from the PFS instead: a slow owner costs a bounded wait, not the fetch bound.
 Lower would read the PFS for samples queued behind a peer's other batches (two run at once)."""
 DOWN_EVERY_S = 0.2
-"""How often the set of peers taken as down (breaker open) is looked at again."""
+"""How often the membership thread looks at the set of peers taken as down (breaker open) again."""
 MAPS_MAX = 8
 """Owner maps kept, one per down set seen (the first, with every node up, always)."""
 PEER_MAP_EVERY_S = 1.0
 """Least time between two owner maps computed for down sets only peers named (a map costs seconds at a
 thousand nodes: a peer sending ever new sets must not keep this node computing); meanwhile such a
 request is answered ``missing`` and the peer reads the PFS."""
-
-
-class PfsFiles(Protocol):
-    """The PFS side of the dataset (:class:`fsd.data.backend.Backend`)."""
-
-    def read_file(self, file_id: int) -> bytes: ...
-
-    def size(self, file_id: int) -> int: ...
-
-
-Sample = tuple[bytes, int]
-"""A file's bytes as read from the PFS and their XXH3-64, computed then (peers check it)."""
-
-
-def pfs_sample(pfs: PfsFiles, fid: int) -> Sample:
-    """Read *fid* from the PFS and checksum it."""
-    data = pfs.read_file(fid)
-    return data, checksum(data)
-
-
-class OwnedStore:
-    """File id -> sample of the owned files the cluster caches here, at most *capacity* bytes."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = max(0, int(capacity))
-        self.used = 0
-        self._data: dict[int, Sample] = {}
-        self._lock = threading.Lock()
-
-    def get(self, fid: int) -> Sample | None:
-        return self._data.get(fid)
-
-    def put(self, fid: int, sample: Sample) -> bool:
-        """Keep *sample* if it fits (the owner map keeps each node's share within its capacity)."""
-        with self._lock:
-            if fid in self._data:
-                return True
-            if self.used + len(sample[0]) > self.capacity:
-                return False
-            self._data[fid] = sample
-            self.used += len(sample[0])
-            return True
-
-    def drop(self, fid: int) -> None:
-        with self._lock:
-            d = self._data.pop(fid, None)
-            if d is not None:
-                self.used -= len(d[0])
-
-    def keep_only(self, keep: Callable[[int], bool]) -> None:
-        """Drop every file for which *keep* is false (a new owner map)."""
-        with self._lock:
-            for fid in [f for f in self._data if not keep(f)]:
-                self.used -= len(self._data.pop(fid)[0])
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-class RecentBuffer:
-    """The most recently read files, up to *capacity* bytes (least recently used go first)."""
-
-    def __init__(self, capacity: int = RECENT_BYTES) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self._data: OrderedDict[int, Sample] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, fid: int) -> Sample | None:
-        with self._lock:
-            d = self._data.get(fid)
-            if d is not None:
-                self._data.move_to_end(fid)
-            return d
-
-    def put(self, fid: int, sample: Sample) -> None:
-        if len(sample[0]) > self.capacity:
-            return
-        with self._lock:
-            old = self._data.pop(fid, None)
-            if old is not None:
-                self.used -= len(old[0])
-            self._data[fid] = sample
-            self.used += len(sample[0])
-            while self.used > self.capacity:
-                _, d = self._data.popitem(last=False)
-                self.used -= len(d[0])
-
-    def drop(self, fid: int) -> None:
-        with self._lock:
-            d = self._data.pop(fid, None)
-            if d is not None:
-                self.used -= len(d[0])
 
 
 @dataclass
@@ -352,10 +259,10 @@ class ClusterSource:
         self.own = own  # every node up
         self.reown = reown  # the owner map with some nodes down (None: the files of a down node are read from the PFS)
         self._maps: OrderedDict[frozenset[int], Ownership] = OrderedDict({frozenset(): own})
-        self._map_lock = threading.Lock()  # one map computed at a time
+        self._wanted: OrderedDict[frozenset[int], None] = OrderedDict()  # sets peers named, to compute
+        self._want_lock = threading.Lock()
         self._down: frozenset[int] = frozenset()
-        self._down_at = 0.0
-        self._down_lock = threading.Lock()
+        self._down_lock = threading.Lock()  # one membership step at a time
         self._open_since: dict[int, float] = {}  # peer -> when its breaker was first seen open
         self._peer_map_at = -PEER_MAP_EVERY_S  # when a map was last computed for a peer's down set
         self.sizes = sizes
@@ -373,65 +280,90 @@ class ClusterSource:
         self._ahead_bytes = 0
         self._lock = threading.Lock()
         self.closed = False
+        self._stop = threading.Event()
+        self._watcher = start_thread(self._watch, name="fsd-cluster-members")
 
     def owns(self, fid: int) -> bool:
         return 0 <= fid < len(self.own.owner) and int(self.own.owner[fid]) == self.node
 
-    # ------------------------------------------------------------------ membership
+    # ------------------------------------------------------------------ membership (its own thread)
     def down(self) -> frozenset[int]:
-        """The peers taken as down: their breaker is open (batches to them kept failing). One that has
-        been open for its breaker's reset time is asked ``Hello``; if it answers with our plan (it came
-        back, or joined late) its breaker closes and its files are its own again."""
+        """The peers taken as down now (kept by the membership thread, :meth:`refresh`)."""
+        return self._down
+
+    def _watch(self) -> None:
+        while not self._stop.wait(DOWN_EVERY_S):
+            try:
+                self.refresh()
+            except Exception:  # a bug here must not stop the membership: the last maps stay in use
+                log.exception("cluster: membership refresh failed")
+
+    def refresh(self) -> None:
+        """One membership step, off the fetch and serve paths (a probe waits up to the connect timeout, a
+        map costs seconds at a thousand nodes): which peers are down, the owner map for that set computed
+        before the fetches switch to it, then at most one set a peer named (every ``PEER_MAP_EVERY_S``)."""
+        with self._down_lock:
+            down = self._probe()
+            if down != self._down:
+                self._map_for(down)
+                log.warning("cluster: nodes taken as down: %s", sorted(down) or "none")
+                self._down = down
+            with self._want_lock:
+                wanted = next(iter(self._wanted), None)
+            if wanted is not None and time.monotonic() - self._peer_map_at >= PEER_MAP_EVERY_S:
+                self._peer_map_at = time.monotonic()
+                self._map_for(wanted)
+                with self._want_lock:
+                    self._wanted.pop(wanted, None)
+
+    def _probe(self) -> frozenset[int]:
+        """The peers whose breaker is open (batches to them kept failing). One open for its breaker's reset
+        time is asked ``Hello``; if it answers with our plan (it came back, or joined late) its breaker
+        closes and its files are its own again."""
         now = time.monotonic()
-        if now - self._down_at < DOWN_EVERY_S or not self._down_lock.acquire(blocking=False):
-            return self._down
-        try:
-            out = set()
-            for k, q in self.queues.items():
-                b = q.client.breaker
-                if b.current_state != "open":
-                    self._open_since.pop(k, None)
+        out = set()
+        for k, q in self.queues.items():
+            b = q.client.breaker
+            if b.current_state != "open":
+                self._open_since.pop(k, None)
+                continue
+            since = self._open_since.setdefault(k, now)
+            if now - since >= b.reset_timeout:
+                self._open_since[k] = now  # the next probe after another reset time
+                if q.client.hello() == st.UP:
+                    b.close()
+                    log.info("cluster: node %d is back; its files are its own again", k)
                     continue
-                since = self._open_since.setdefault(k, now)
-                if now - since >= b.reset_timeout:
-                    self._open_since[k] = now  # the next probe after another reset time
-                    if q.client.hello() == st.UP:
-                        b.close()
-                        log.info("cluster: node %d is back; its files are its own again", k)
-                        continue
-                out.add(k)
-            if frozenset(out) != self._down:
-                log.warning("cluster: nodes taken as down: %s", sorted(out) or "none")
-            self._down, self._down_at = frozenset(out), time.monotonic()
-            return self._down
-        finally:
-            self._down_lock.release()
+            out.add(k)
+        return frozenset(out)
+
+    def _map_for(self, down: frozenset[int]) -> None:
+        """Compute and keep the owner map with the nodes of *down* down (the same on every node)."""
+        if not down or down in self._maps or self.reown is None:
+            return
+        try:
+            got = self.reown(down)
+        except ValueError as e:  # every node down, say
+            log.warning("cluster: no owner map with nodes %s down: %s", sorted(down), e)
+            return
+        moved = int(np.count_nonzero(got.owner != self.own.owner))
+        log.info("cluster: with nodes %s down, %d files have another owner", sorted(down), moved)
+        self._maps[down] = got
+        while len(self._maps) > MAPS_MAX:
+            del self._maps[next(k for k in self._maps if k)]
 
     def owner_map(self, down: frozenset[int], for_peer: bool = False) -> Ownership | None:
-        """The owner map with the nodes of *down* down (computed once per set, the same on every node);
-        the map with every node up where it cannot be computed. *for_peer*: a set a peer named, which
-        is computed at most every ``PEER_MAP_EVERY_S`` (None meanwhile)."""
+        """The owner map with the nodes of *down* down if it is computed; else the map with every node up,
+        or for a set a peer named (*for_peer*) None, the set then queued for the membership thread."""
         got = self._maps.get(down)
-        if got is not None or self.reown is None:
+        if got is not None or self.reown is None or not down:
             return got if got is not None else self.own
-        with self._map_lock:
-            got = self._maps.get(down)
-            if got is None and for_peer:
-                if time.monotonic() - self._peer_map_at < PEER_MAP_EVERY_S:
-                    return None
-                self._peer_map_at = time.monotonic()
-            if got is None:
-                try:
-                    got = self.reown(down)
-                except ValueError as e:  # every node down, say
-                    log.warning("cluster: no owner map with nodes %s down: %s", sorted(down), e)
-                    return self.own
-                moved = int(np.count_nonzero(got.owner != self.own.owner))
-                log.info("cluster: with nodes %s down, %d files have another owner", sorted(down), moved)
-                self._maps[down] = got
-                while len(self._maps) > MAPS_MAX:
-                    del self._maps[next(k for k in self._maps if k)]
-            return got
+        if not for_peer:
+            return self.own
+        with self._want_lock:
+            if down not in self._wanted and len(self._wanted) < MAPS_MAX:
+                self._wanted[down] = None
+        return None
 
     # ------------------------------------------------------------------ this node's fetches
     def read(self, fid: int, queued: Sequence[int] = ()) -> bytes:
@@ -440,7 +372,7 @@ class ClusterSource:
         *queued*: the cache's fetches queued after this one (access order, staging reserved for
         them); those of other owners are asked for now, in the same batches (look-ahead), and
         taken from here when their fetch runs."""
-        own = self.owner_map(self.down()) or self.own
+        own = self.owner_map(self._down) or self.own
         owner = int(own.owner[fid]) if 0 <= fid < len(own.owner) else -1
         reowned = 0 <= fid < len(own.owner) and owner != int(self.own.owner[fid])
         if reowned:
@@ -572,11 +504,12 @@ class ClusterSource:
                 "store_capacity": self.store.capacity}
 
     def close(self) -> None:
-        """Stop the owner queues (their calls end within the fetch timeout; not waited for)."""
+        """Stop the owner queues and the membership thread (calls end within their timeouts; not waited for)."""
         self.closed = True
+        self._stop.set()
         for q in self.queues.values():
             q.close()
         self.batcher.close()
 
 
-__all__ = ["RECENT_BYTES", "ClusterSource", "OwnedStore", "PfsFiles", "RecentBuffer", "SourceCounters"]
+__all__ = ["ClusterSource", "SourceCounters"]

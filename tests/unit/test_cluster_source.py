@@ -12,7 +12,8 @@ import numpy as np
 
 from fsd.cluster.config import ClusterConfig
 from fsd.cluster.ownership import Ownership
-from fsd.cluster.source import BATCH_THREADS, ClusterSource, OwnedStore, RecentBuffer, SourceCounters
+from fsd.cluster.source import BATCH_THREADS, ClusterSource, SourceCounters
+from fsd.cluster.stores import OwnedStore, RecentBuffer
 from fsd.cluster.transport import PeerServer, Peers
 
 SECRET = b"source-test-secret"
@@ -77,7 +78,8 @@ def test_reads_through_many_peers_are_exact_on_a_bounded_pool(tmp_path: Path) ->
                         np.array([len(d) for d in files.data]), files, p, OwnedStore(0), RecentBuffer(),
                         SourceCounters(), fetch_timeout=5.0, connect_timeout=1.0, max_batch=16)
     try:
-        assert threading.active_count() - before == len(src.batcher.threads) == BATCH_THREADS * peers
+        # a bounded pool of batch threads and one membership thread, whatever the number of peers
+        assert threading.active_count() - before == len(src.batcher.threads) + 1 == BATCH_THREADS * peers + 1
         order = list(range(n))
         errors: list[str] = []
 
@@ -101,9 +103,9 @@ def test_reads_through_many_peers_are_exact_on_a_bounded_pool(tmp_path: Path) ->
         p.close()
         for s in servers:
             s.stop(0)
-    for t in src.batcher.threads:
+    for t in [*src.batcher.threads, src._watcher]:
         t.join(10)
-    assert not any(t.is_alive() for t in src.batcher.threads)
+    assert not any(t.is_alive() for t in [*src.batcher.threads, src._watcher])
 
 
 def test_a_slow_owner_is_hedged_with_a_pfs_read(tmp_path: Path) -> None:
@@ -142,7 +144,8 @@ def test_a_slow_owner_is_hedged_with_a_pfs_read(tmp_path: Path) -> None:
 def test_down_sets_a_peer_names_are_checked_and_computed_at_a_bounded_rate(tmp_path: Path, monkeypatch) -> None:
     """A peer's request names the nodes it takes as down; this node serves the files it owns in that
     map. A node id past the cluster is refused, and a new set costs a map computation: at most one per
-    ``PEER_MAP_EVERY_S`` (here: once), so a peer sending ever new sets cannot keep the node computing."""
+    ``PEER_MAP_EVERY_S`` (here: once), on the membership thread, so a peer sending ever new sets cannot keep
+    the node computing, and a request never waits for a computation (it is answered ``missing`` meanwhile)."""
     import fsd.cluster.source as source_mod
 
     monkeypatch.setattr(source_mod, "PEER_MAP_EVERY_S", 1e9)
@@ -161,10 +164,14 @@ def test_down_sets_a_peer_names_are_checked_and_computed_at_a_bounded_rate(tmp_p
     p, src = _node0(tmp_path, ports, base, files, reown=reown)
     try:
         assert src.serve(1) is None  # node 1's file
+        assert src.serve(1, frozenset({1})) is None  # a new set: its map is computed off the serve path
+        src.refresh()  # the membership thread's step
         got = src.serve(1, frozenset({1}))  # the asking peer takes node 1 as down: node 0 owns it
         assert got is not None and got[0] == files.data[1] and computed == [frozenset({1})]
         assert src.serve(1, frozenset({1})) is not None and len(computed) == 1  # kept
-        assert src.serve(2, frozenset({2})) is None and len(computed) == 1  # another new set: not now
+        assert src.serve(2, frozenset({2})) is None  # another new set ...
+        src.refresh()
+        assert src.serve(2, frozenset({2})) is None and len(computed) == 1  # ... not within PEER_MAP_EVERY_S
         assert src.serve(1, frozenset({7})) is None  # no node 7
         assert src.counters.snapshot()["served_reowned"] == 2
     finally:
