@@ -8,12 +8,15 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import trio
 from conftest import device_dirs, free_port_pair
 
@@ -377,3 +380,92 @@ def test_a_buddy_restarted_between_the_bytes_and_the_commit_gets_the_file_again_
     assert st["resent_bytes"] >= len(data) and st["state"] == "in sync", st
     _wipe(devs)
     assert node.run(lambda ns: _read_all(ns, {"f": data})) == {"f": data}
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("write"), st.integers(0, 2), st.integers(0, 300 * KiB), st.integers(1, 200 * KiB)),
+    st.tuples(st.just("trunc"), st.integers(0, 2), st.integers(0, 400 * KiB)),
+    st.tuples(st.just("fsync"), st.integers(0, 2)),
+    st.tuples(st.just("unlink"), st.integers(0, 2)),
+    st.tuples(st.just("restart_buddy")),
+    st.tuples(st.just("round")),
+), min_size=1, max_size=14)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_OPS)
+def test_a_restore_equals_the_files_after_any_sequence_of_changes(ops: list[tuple]) -> None:
+    """Writes (with holes), truncates, fsyncs, unlinks, buddy restarts and rounds in any order: once the
+    buddy is in sync, a node restored from it on empty devices holds exactly the files as written."""
+    tmp = Path(tempfile.mkdtemp(prefix="fsd-replica-prop-"))
+    try:
+        secret = tmp / "secret"
+        secret.write_text("prop-secret\n")
+        secret.chmod(0o600)
+        nodes = [f"127.0.0.1:{free_port_pair()}" for _ in range(2)]
+
+        def cfg(k: int) -> ClusterConfig:
+            return parse_cluster({"node": k, "nodes": nodes, "secret_file": str(secret), "replicas": 1,
+                                  "connect_timeout": 0.5, "backoff_max": 0.3, "replica_timeout": 5.0})
+
+        (tmp / "b").mkdir()
+        buddy = Buddy(cfg(1), device_dirs(tmp / "b", 2))
+        buddy.start()
+        devs = device_dirs(tmp, 2)
+        model: dict[str, bytearray] = {}
+
+        async def body(ns: Namespace) -> None:
+            open_nodes: dict[str, Any] = {}
+            rep = ns.replicas
+            assert rep is not None
+            for op in ops:
+                name = f"f{op[1]}" if len(op) > 1 else ""
+                if op[0] in ("write", "trunc") and name not in open_nodes:
+                    try:
+                        node_ = ns.child(ns.nodes[ROOT_ID], name.encode())
+                    except OSError:
+                        node_ = await ns.create(ns.nodes[ROOT_ID], name.encode(), 0o644, UID, GID)
+                        model[name] = bytearray()
+                    ns.opened(node_, writable=True)
+                    open_nodes[name] = node_
+                if op[0] == "write":
+                    _, _, off, n = op
+                    data = os.urandom(n)
+                    await ns.write(open_nodes[name], off, data)
+                    m = model[name]
+                    if len(m) < off + n:
+                        m.extend(bytes(off + n - len(m)))
+                    m[off:off + n] = data
+                elif op[0] == "trunc":
+                    await ns.truncate(open_nodes[name], op[2])
+                    m = model[name]
+                    del m[op[2]:]
+                    m.extend(bytes(op[2] - len(m)))
+                elif op[0] == "fsync" and name in open_nodes:
+                    await ns.fsync(open_nodes[name])
+                elif op[0] == "unlink" and name in model:
+                    if name in open_nodes:
+                        ns.closed(open_nodes.pop(name), writable=True)
+                    await ns.unlink(ns.nodes[ROOT_ID], name.encode())
+                    del model[name]
+                elif op[0] == "restart_buddy":
+                    await trio.to_thread.run_sync(buddy.stop)
+                    await trio.to_thread.run_sync(buddy.start)
+                elif op[0] == "round":
+                    await rep.sync_round()
+            for name, node_ in open_nodes.items():
+                await ns.fsync(node_)
+                ns.closed(node_, writable=True)
+            await ns.wait_finished()
+            with trio.fail_after(60):
+                while _status(ns)["lag_files"] or rep.buddies[1].flying:
+                    await rep.sync_round()
+                    await trio.sleep(0.02)
+
+        Node(cfg(0), devs).run(body)
+        _wipe(devs)
+        got = Node(cfg(0), devs).run(lambda ns: _read_all(ns, dict.fromkeys(model, b"")))
+        assert got == {k: bytes(v) for k, v in model.items()}
+        buddy.stop()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
