@@ -195,7 +195,6 @@ class ReplicaClient:
         self.address = address
         self.src = cfg.index
         self.timeout = cfg.replica_timeout
-        self.connect_timeout = cfg.connect_timeout
         self._key = auth.derive_key(cfg.secret)
         opts = channel_options(cfg.connect_timeout, cfg.backoff_max, SERVICE)
         opts = [o for o in opts if o[0] != "grpc.max_receive_message_length"]
