@@ -90,7 +90,7 @@ class CheckpointMount:
         ns = await trio.to_thread.run_sync(lambda: build_namespace(self.devices, backing_fd=backing_fd,
                                                                    on_recovered=on_recovered, **self.kw))
         if reps is not None:
-            reps.serve()
+            await trio.to_thread.run_sync(reps.serve)  # reads the copies kept on the devices
             stack.push_async_callback(reps.close)
         ops = CheckpointOperations(ns, backing_fd, control=control)
         self.ops = ops
