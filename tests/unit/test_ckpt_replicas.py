@@ -469,3 +469,30 @@ def test_a_restore_equals_the_files_after_any_sequence_of_changes(ops: list[tupl
         buddy.stop()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_file_cut_short_then_grown_past_its_old_end_is_not_restored_with_old_bytes(
+        tmp_path: Path, cluster: Callable[..., ClusterConfig], buddy: Buddy) -> None:
+    """The buddy never sees a shrink as bytes: the file is sent again whole before its next commit, or the
+    grown file's hole would come back holding the bytes the shrink cut."""
+    buddy.start()
+    devs = device_dirs(tmp_path, 2)
+    first, tail = _payload(150 * KiB, 1), _payload(10 * KiB, 1)
+    want = first[:10 * KiB] + bytes(190 * KiB) + tail
+
+    async def body(ns: Namespace) -> dict[str, Any]:
+        node_ = await ns.create(ns.nodes[ROOT_ID], b"f", 0o644, UID, GID)
+        ns.opened(node_, writable=True)
+        await ns.write(node_, 0, first)
+        await ns.fsync(node_)
+        await ns.truncate(node_, 10 * KiB)
+        await ns.write(node_, 200 * KiB, tail)
+        await ns.fsync(node_)
+        st = _status(ns)
+        ns.closed(node_, writable=True)
+        return st
+
+    st = Node(cluster(0, fsync="replicated"), devs).run(body)
+    assert st["lag_files"] == 0 and st["resent_bytes"] >= len(want), st
+    _wipe(devs)
+    assert Node(cluster(0), devs).run(lambda ns: _read_all(ns, {"f": b""})) == {"f": want}
