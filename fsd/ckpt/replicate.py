@@ -355,10 +355,13 @@ class Replicator:
             if st == SYNCED and calls >= 0 and epoch == cur:
                 ok = b.client.commit(nid, raw, inc, calls, epoch)
                 with self.lock:
-                    if ok:
+                    if ok:  # the buddy counts from 0 again, with no reset: so does a later publish's snapshot
                         b.calls[nid] = b.calls.get(nid, 0) - calls
                         if b.epoch.get(nid) == epoch:
                             b.epoch[nid] = 0
+                        later = b.pending.get(nid)
+                        if later is not None and later[2] == epoch and later[1] >= calls:
+                            b.pending[nid] = (later[0], later[1] - calls, 0)
                     else:
                         b.refused += 1
             if not ok and idle and self.latest.get(nid) is m:

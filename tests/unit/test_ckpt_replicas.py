@@ -9,6 +9,7 @@ import errno
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -496,3 +497,53 @@ def test_a_file_cut_short_then_grown_past_its_old_end_is_not_restored_with_old_b
     assert st["lag_files"] == 0 and st["resent_bytes"] >= len(want), st
     _wipe(devs)
     assert Node(cluster(0), devs).run(lambda ns: _read_all(ns, {"f": b""})) == {"f": want}
+
+
+def test_a_chmod_published_while_the_last_commit_is_on_its_way_needs_no_resend(
+        tmp_path: Path, cluster: Callable[..., ClusterConfig], buddy: Buddy) -> None:
+    """A newer manifest's count of calls includes those of the commit still in flight; once that commit
+    is taken, the newer one is counted from there, so the chmod commits without sending the file again."""
+    buddy.start()
+    devs = device_dirs(tmp_path, 2)
+    data = _payload(200 * KiB, 1)
+    gate, entered = threading.Event(), threading.Event()
+
+    async def body(ns: Namespace) -> dict[str, Any]:
+        rep = ns.replicas
+        assert rep is not None
+        client = rep.buddies[1].client
+        real = client.commit
+
+        def held(*args: Any, **kw: Any) -> bool:  # the first commit waits until the chmod is published
+            entered.set()
+            gate.wait(30)
+            return real(*args, **kw)
+
+        client.commit = held  # type: ignore[method-assign]
+        node_ = await ns.create(ns.nodes[ROOT_ID], b"f", 0o644, UID, GID)
+        ns.opened(node_, writable=True)
+        await ns.write(node_, 0, data)
+        await ns.fsync(node_)  # "local": returns once durable here; the commit goes in the next round
+        ns.closed(node_, writable=True)
+        await ns.wait_finished()
+        await trio.to_thread.run_sync(entered.wait, 30)
+        client.commit = real  # type: ignore[method-assign]
+        ns.set_meta(node_, mode=0o600)  # published now, while the first commit is held
+        with trio.fail_after(30):
+            while node_.meta_durable != node_.meta_version:
+                await trio.sleep(0.01)
+        gate.set()
+        with trio.fail_after(60):
+            while _status(ns)["lag_files"]:
+                await rep.sync_round()
+                await trio.sleep(0.02)
+        return _status(ns)
+
+    st = Node(cluster(0, fsync="local"), devs).run(body)
+    assert st["resent_bytes"] == 0 and st["refused_commits"] == 0 and st["commits"] >= 2, st
+    _wipe(devs)
+
+    async def mode(ns: Namespace) -> int:
+        return ns.child(ns.nodes[ROOT_ID], b"f").mode
+
+    assert Node(cluster(0), devs).run(mode) == 0o600
