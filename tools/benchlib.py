@@ -418,9 +418,19 @@ THREAD_GROUPS = {"fsd-push": "push", "fsd-prefetch": "coordinator", "fsd-revalid
                  "fsd-attr-refres": "attr_refresh", "fsd-preload": "preload", "fsd": "loop_and_reader"}
 
 
+THREAD_PREFIXES = (("fsd-fetch", "fetch"), ("fsd-peer-batch", "peer_batch"), ("fsd-peer-serve", "peer_serve"),
+                   ("fsd-peer-fetch", "peer_fetch"), ("fsd-cluster-mem", "cluster_members"),
+                   ("fsd-replicate", "replicate"), ("fsd-replica-ser", "replica_serve"), ("grpc", "grpc_core"),
+                   ("default-executo", "grpc_core"), ("resolver-execut", "grpc_core"), ("Trio thread", "trio_threads"))
+"""OS thread names (15 characters at most) by prefix -> group: the cluster's and grpc's threads apart."""
+
+
 def thread_group(name: str) -> str:
     """The group of an fsd daemon thread called *name* (``fsd-fetch-3`` -> ``fetch``)."""
-    return "fetch" if name.startswith("fsd-fetch") else THREAD_GROUPS.get(name, "workers")
+    for prefix, group in THREAD_PREFIXES:
+        if name.startswith(prefix):
+            return group
+    return THREAD_GROUPS.get(name, "workers")
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -120,7 +120,7 @@ def test_bench_data_small(tmp_path: Path) -> None:
     # back-to-back phases within the span the status's cpu_s covers (the plan's write to the trainers' exit)
     assert 0 < sum(ph["total"] for ph in phases.values()) <= t["fsd"]["cpu_s"]["daemon"] + 0.1
     assert {g for ph in phases.values() for g in ph["by_thread"]} <= \
-        {*benchlib.THREAD_GROUPS.values(), "fetch", "workers"}
+        {*benchlib.THREAD_GROUPS.values(), *(g for _, g in benchlib.THREAD_PREFIXES), "workers"}
     for ro in rounds:
         assert ro["epoch_speedup_vs_direct"] == pytest.approx(ro["direct_s"] / ro["fsd_s"], rel=1e-2)
         assert ro["ceiling_vs_direct"] == pytest.approx(ro["direct_s"] / ro["floor_s"], rel=1e-2)
@@ -261,7 +261,8 @@ def test_thread_cpu_sampler_splits_a_process_cpu_by_thread_name() -> None:
     got = sampler.between(t0, t1)
     assert got["by_thread"].get("push", 0) >= 0.2, got
     assert got["total"] >= got["by_thread"]["push"] - 0.02
-    assert benchlib.thread_group("fsd-fetch-3") == "fetch" and benchlib.thread_group("Trio thread 2") == "workers"
+    assert benchlib.thread_group("fsd-fetch-3") == "fetch" and benchlib.thread_group("Trio thread 2") == "trio_threads"
+    assert benchlib.thread_group("fsd-peer-batch-") == "peer_batch" and benchlib.thread_group("python3") == "workers"
 
 
 
