@@ -38,6 +38,7 @@ import trio
 from fsd.ckpt.device_io import FlushJob
 from fsd.ckpt.manifest import STATE_COMPLETE, Manifest
 from fsd.cluster.replica_rpc import ReplicaClient, ReplicaError
+from fsd.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class Replicator:
         self.drained: Callable[[int], bool] = lambda nid: False  # this version is in the backing directory
         self._epochs = itertools.count(time.time_ns())  # names of resets, unique across restarts
         self._pool = futures.ThreadPoolExecutor(max(2, threads * len(self.buddies)),
-                                                thread_name_prefix="fsd-replicate")
+                                                thread_name_prefix="fsd-replicate", initializer=name_os_thread)
         self._kick = trio.Event()
         self._round_done = trio.Event()
         self._round_lock = trio.Lock()

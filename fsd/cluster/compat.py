@@ -14,7 +14,7 @@ from fsd.errors import FsdError
 from fsd.plan.document import PlanError
 from fsd.plan.job import JobPlan
 from fsd.sizes import parse_size as _parse_size
-from fsd.threads import start_thread
+from fsd.threads import name_os_thread, start_thread
 
 if TYPE_CHECKING:
     from fsd.plan.job_stream import Built, JobListing, job_demand
@@ -43,4 +43,5 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"not a size: {text!r} (use e.g. 512M, 16G)") from None
 
 
-__all__ = ["Built", "FsdError", "JobListing", "JobPlan", "PlanError", "job_demand", "parse_size", "start_thread"]
+__all__ = ["Built", "FsdError", "JobListing", "JobPlan", "PlanError", "job_demand", "name_os_thread", "parse_size",
+           "start_thread"]

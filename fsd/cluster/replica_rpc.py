@@ -27,7 +27,7 @@ import pybreaker
 
 from . import auth, peer_pb2, peer_pb2_grpc
 from . import stats as st
-from .compat import FsdError
+from .compat import FsdError, name_os_thread
 from .config import ClusterConfig
 from .transport import BREAKER_FAILS, bind, channel_options, checksum, open_channel
 
@@ -156,7 +156,8 @@ class ReplicaServer:
         self.refused = 0
         self.put_bytes = 0
         self.port: int | None = None
-        self._pool = futures.ThreadPoolExecutor(threads, thread_name_prefix="fsd-replica-serve")
+        self._pool = futures.ThreadPoolExecutor(threads, thread_name_prefix="fsd-replica-serve",
+                                                initializer=name_os_thread)
         self._server = grpc.server(self._pool, maximum_concurrent_rpcs=4 * threads, options=[
             ("grpc.so_reuseport", 0),
             ("grpc.max_send_message_length", READ_PIECE + (1 << 20)),

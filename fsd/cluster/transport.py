@@ -41,7 +41,7 @@ import xxhash
 
 from . import auth, peer_pb2, peer_pb2_grpc
 from . import stats as st
-from .compat import FsdError
+from .compat import FsdError, name_os_thread
 from .config import ClusterConfig, TlsFiles
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,8 @@ class PeerServer:
         self.peer_stats = {p.node: p for p in peers}
         self.tls = tls
         self.verifier = auth.Verifier(auth.derive_key(secret))
-        self._pool = futures.ThreadPoolExecutor(threads, thread_name_prefix="fsd-peer-serve")
+        self._pool = futures.ThreadPoolExecutor(threads, thread_name_prefix="fsd-peer-serve",
+                                                initializer=name_os_thread)
         self._server = grpc.server(self._pool, maximum_concurrent_rpcs=4 * threads, options=[
             ("grpc.so_reuseport", 0),
             ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -389,7 +390,7 @@ class Peers:
                                       max_batch=cfg.max_batch, fingerprint=lambda: self.fingerprint, tls=cfg.tls)
                         for k, a in cfg.peers.items()}
         self._pool = futures.ThreadPoolExecutor(threads or max(2, min(16, 2 * len(self.clients))),
-                                                thread_name_prefix="fsd-peer-fetch")
+                                                thread_name_prefix="fsd-peer-fetch", initializer=name_os_thread)
 
     def set_fingerprint(self, fingerprint: str | None) -> None:
         """The plan changed: fetch only from peers that have the same one."""
