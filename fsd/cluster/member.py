@@ -57,7 +57,7 @@ class ClusterMember:
         self.cfg = cfg
         self.capacity = cfg.capacities[cfg.index] if cfg.capacities else int(tier_bytes)
         self.capacities = cfg.capacities or (self.capacity,) * cfg.size
-        self.node = ClusterNode(cfg, self.serve)
+        self.node = ClusterNode(cfg, self.serve, ready=self.ready)
         self.counters = SourceCounters()
         self.recent = RecentBuffer(min(RECENT_BYTES, self.capacity // 32))
         self.store = OwnedStore(self.capacity)
@@ -152,6 +152,11 @@ class ClusterMember:
         """A peer's request for file *fid* (grpc threads): see :meth:`ClusterSource.serve`."""
         src = self.source
         return src.serve(fid, down) if src is not None else None
+
+    def ready(self, fid: int, down: frozenset[int] = frozenset()) -> bool:
+        """Whether a peer's request for *fid* is answered at once (grpc threads)."""
+        src = self.source
+        return src.ready(fid, down) if src is not None else True
 
     def invalidate(self, fid: int) -> None:
         """The PFS file *fid* changed."""

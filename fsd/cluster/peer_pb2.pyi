@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -17,6 +17,12 @@ class FetchRequest(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     down: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, fingerprint: _Optional[str] = ..., node: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., down: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SampleBatch(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[Sample]
+    def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("id", "missing", "data", "xxh3")

@@ -37,7 +37,7 @@ class PeerStub:
         self.Fetch = channel.unary_stream(
                 '/fsd.cluster.v1.Peer/Fetch',
                 request_serializer=fsd_dot_cluster_dot_peer__pb2.FetchRequest.SerializeToString,
-                response_deserializer=fsd_dot_cluster_dot_peer__pb2.Sample.FromString,
+                response_deserializer=fsd_dot_cluster_dot_peer__pb2.SampleBatch.FromString,
                 _registered_method=True)
         self.Hello = channel.unary_unary(
                 '/fsd.cluster.v1.Peer/Hello',
@@ -50,7 +50,8 @@ class PeerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Fetch(self, request, context):
-        """The bytes of a batch of dataset files, streamed back in the order they become ready.
+        """The bytes of a batch of dataset files, streamed back in the order they become ready, several
+        samples a message (one message costs the same CPU whatever its size).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -69,7 +70,7 @@ def add_PeerServicer_to_server(servicer, server):
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
                     request_deserializer=fsd_dot_cluster_dot_peer__pb2.FetchRequest.FromString,
-                    response_serializer=fsd_dot_cluster_dot_peer__pb2.Sample.SerializeToString,
+                    response_serializer=fsd_dot_cluster_dot_peer__pb2.SampleBatch.SerializeToString,
             ),
             'Hello': grpc.unary_unary_rpc_method_handler(
                     servicer.Hello,
@@ -103,7 +104,7 @@ class Peer:
             target,
             '/fsd.cluster.v1.Peer/Fetch',
             fsd_dot_cluster_dot_peer__pb2.FetchRequest.SerializeToString,
-            fsd_dot_cluster_dot_peer__pb2.Sample.FromString,
+            fsd_dot_cluster_dot_peer__pb2.SampleBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -488,6 +488,15 @@ class ClusterSource:
             return self._owned(fid, own, for_peer=True)[0]
         return self.recent.get(fid)
 
+    def ready(self, fid: int, down: frozenset[int] = frozenset()) -> bool:
+        """Whether :meth:`serve` answers *fid* at once (from memory, or missing): no PFS read to wait for."""
+        if self.closed or not 0 <= fid < len(self.own.owner) or any(k >= self.own.nodes for k in down):
+            return True
+        own = self.owner_map(down - {self.node}, for_peer=True) if down else self.own
+        if own is None or int(own.owner[fid]) != self.node:
+            return True
+        return self.store.get(fid) is not None or self.recent.get(fid) is not None
+
     def invalidate(self, fid: int) -> None:
         """The PFS file changed: forget this node's copies."""
         self.store.drop(fid)

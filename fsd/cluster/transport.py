@@ -54,6 +54,11 @@ MAX_MESSAGE = 1 << 30
 """Largest sample a peer sends or accepts (grpc's default is 4 MiB)."""
 BREAKER_FAILS = 3
 """Consecutive failed batches that open a peer's breaker."""
+FETCH_MESSAGE_BYTES = 1 << 20
+"""Samples of a fetch that are at hand are sent together, up to this many bytes a message."""
+ReadyFn = Callable[[int, frozenset[int]], bool]
+"""Whether ``serve(fid, down)`` would answer at once (from memory, or missing): such samples are sent
+together; before any other, what is at hand goes out."""
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
@@ -134,7 +139,8 @@ class _Servicer(peer_pb2_grpc.PeerServicer):
         same = s.fingerprint is not None and request.fingerprint == s.fingerprint
         return peer_pb2.HelloReply(fingerprint=s.fingerprint or "", node=s.node, same_plan=same)
 
-    def Fetch(self, request: peer_pb2.FetchRequest, context: grpc.ServicerContext) -> Iterator[peer_pb2.Sample]:
+    def Fetch(self, request: peer_pb2.FetchRequest,
+              context: grpc.ServicerContext) -> Iterator[peer_pb2.SampleBatch]:
         s = self.s
         peer = self._check(context, request)
         ids = request.ids
@@ -145,26 +151,42 @@ class _Servicer(peer_pb2_grpc.PeerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"a batch holds at most {s.max_batch} ids, each below {s.n_files}")
         down = frozenset(int(k) for k in request.down)
+        # a message costs about the same CPU at each end whatever its size: samples that are here go
+        # together, up to FETCH_MESSAGE_BYTES; what is here goes out before a serve that may wait (the PFS)
+        batch: list[peer_pb2.Sample] = []
+        nbytes = 0
         for fid in ids:
             if not context.is_active():
                 return
-            try:
-                got = s.serve(int(fid), down)
-                data, digest = got if isinstance(got, tuple) else (got, None)
-                if data is not None and not isinstance(data, (bytes, bytearray, memoryview)):
-                    raise TypeError(f"serve returned {type(data).__name__}")
-                if data is not None and digest is None:
-                    digest = checksum(data)
-            except Exception:
-                if st.log_worthy(s.stats.add(serve_errors=1)):
-                    log.exception("serve(%d) failed; answering missing", fid)
-                data = None
-            if peer is not None:
-                peer.served(None if data is None else len(data))
-            if data is None:
-                yield peer_pb2.Sample(id=fid, missing=True)
-            else:  # protobuf takes bytes; bytes objects are passed on as they are
-                yield peer_pb2.Sample(id=fid, data=data if isinstance(data, bytes) else bytes(data), xxh3=digest)
+            fid = int(fid)
+            if batch and (nbytes >= FETCH_MESSAGE_BYTES or s.ready is None or not s.ready(fid, down)):
+                yield peer_pb2.SampleBatch(samples=batch)
+                batch, nbytes = [], 0
+            batch.append(self._sample(fid, down, peer))
+            nbytes += len(batch[-1].data)
+        if batch:
+            yield peer_pb2.SampleBatch(samples=batch)
+
+    def _sample(self, fid: int, down: frozenset[int], peer: st.PeerStats | None) -> peer_pb2.Sample:
+        """One requested file as a message: its bytes and XXH3-64, or missing (the asker reads the PFS)."""
+        s = self.s
+        try:
+            got = s.serve(fid, down)
+            data, digest = got if isinstance(got, tuple) else (got, None)
+            if data is not None and not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"serve returned {type(data).__name__}")
+            if data is not None and digest is None:
+                digest = checksum(data)
+        except Exception:
+            if st.log_worthy(s.stats.add(serve_errors=1)):
+                log.exception("serve(%d) failed; answering missing", fid)
+            data = None
+        if peer is not None:
+            peer.served(None if data is None else len(data))
+        if data is None:
+            return peer_pb2.Sample(id=fid, missing=True)
+        # protobuf takes bytes; bytes objects are passed on as they are
+        return peer_pb2.Sample(id=fid, data=data if isinstance(data, bytes) else bytes(data), xxh3=digest)
 
 
 class PeerServer:
@@ -172,11 +194,12 @@ class PeerServer:
 
     def __init__(self, listen: str, secret: bytes, node: int, n_files: int, serve: ServeFn, *,
                  fingerprint: str | None = None, peers: Iterable[st.PeerStats] = (), max_batch: int = 4096,
-                 threads: int = 8, tls: TlsFiles | None = None) -> None:
+                 threads: int = 8, tls: TlsFiles | None = None, ready: ReadyFn | None = None) -> None:
         self.listen = listen
         self.node = node
         self.n_files = n_files
         self.serve = serve
+        self.ready = ready  # None: one sample a message
         self.fingerprint = fingerprint
         self.max_batch = max_batch
         self.stats = st.ServerStats()
@@ -325,24 +348,25 @@ class PeerClient:
             with self.breaker.calling():
                 req = peer_pb2.FetchRequest(fingerprint=fp, node=self.self_node, ids=ids, down=sorted(down))
                 call = self._stub.Fetch(req, timeout=self.fetch_timeout, metadata=self._sign("Fetch", req))
-                for msg in call:
-                    if msg.id not in pending:  # a peer cannot make us yield what we did not ask for
-                        continue
-                    del pending[msg.id]
-                    if first is None:
-                        first = time.monotonic() - t0
-                    if msg.missing:
-                        self.stats.add(missing=1)
-                        yield msg.id, None
-                    elif checksum(msg.data) != msg.xxh3:  # corrupt on the way or in the owner's memory
-                        self.stats.add(bad_samples=1)
-                        log.warning("cluster: file %d from node %d fails its checksum; reading the PFS",
-                                    msg.id, self.node)
-                        yield msg.id, None
-                    else:
-                        data = msg.data
-                        self.stats.fetched(len(data))
-                        yield msg.id, data
+                for batch in call:
+                    for msg in batch.samples:
+                        if msg.id not in pending:  # a peer cannot make us yield what we did not ask for
+                            continue
+                        del pending[msg.id]
+                        if first is None:
+                            first = time.monotonic() - t0
+                        if msg.missing:
+                            self.stats.add(missing=1)
+                            yield msg.id, None
+                        elif checksum(msg.data) != msg.xxh3:  # corrupt on the way or in the owner's memory
+                            self.stats.add(bad_samples=1)
+                            log.warning("cluster: file %d from node %d fails its checksum; reading the PFS",
+                                        msg.id, self.node)
+                            yield msg.id, None
+                        else:
+                            data = msg.data
+                            self.stats.fetched(len(data))
+                            yield msg.id, data
             self.stats.set_state(st.UP)
         except grpc.RpcError as e:
             self._failed(e)
@@ -475,12 +499,12 @@ class ClusterNode:
     """
 
     def __init__(self, cfg: ClusterConfig, serve: ServeFn, *, n_files: int = 0, fingerprint: str | None = None,
-                 serve_threads: int = 8) -> None:
+                 serve_threads: int = 8, ready: ReadyFn | None = None) -> None:
         self.cfg = cfg
         self.peers = Peers(cfg, fingerprint)
         self.server = PeerServer(cfg.listen, cfg.secret, cfg.index, n_files, serve, fingerprint=fingerprint,
                                  peers=self.peers.stats(), max_batch=max(cfg.max_batch, 4096),
-                                 threads=serve_threads, tls=cfg.tls)
+                                 threads=serve_threads, tls=cfg.tls, ready=ready)
 
     def start(self) -> int:
         """Start serving peers; returns the bound port."""

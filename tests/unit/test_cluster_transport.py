@@ -149,7 +149,7 @@ def test_only_dataset_ids(tmp_path: Path) -> None:
     def fetch(ids: list[int]) -> list[int]:
         req = peer_pb2.FetchRequest(fingerprint=FP, ids=ids)
         md = auth.sign(key, "Fetch", req.SerializeToString(deterministic=True))
-        return [m.id for m in stub.Fetch(req, metadata=md, timeout=10)]
+        return [m.id for b in stub.Fetch(req, metadata=md, timeout=10) for m in b.samples]
 
     try:
         for ids in ([0, 10], [2**64 - 1], list(range(6))):
@@ -327,7 +327,7 @@ def test_a_replayed_request_is_refused_and_counted(server: PeerServer) -> None:
     req = peer_pb2.FetchRequest(fingerprint=FP, node=1, ids=[0, 1])
     md = auth.sign(auth.derive_key(SECRET), "Fetch", req.SerializeToString(deterministic=True))
     try:
-        assert [m.id for m in stub.Fetch(req, metadata=md, timeout=10)] == [0, 1]
+        assert [m.id for b in stub.Fetch(req, metadata=md, timeout=10) for m in b.samples] == [0, 1]
         with pytest.raises(grpc.RpcError) as ei:
             list(stub.Fetch(req, metadata=md, timeout=10))
         assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED and "replayed" in (ei.value.details() or "")
@@ -396,4 +396,35 @@ def test_mutual_tls_serves_the_cluster_and_refuses_other_certificates(tmp_path: 
     finally:
         for c in clients:
             c.close()
+        s.stop(0)
+
+
+def test_samples_at_hand_go_together_and_none_waits_behind_a_slow_one() -> None:
+    """Samples the server has at hand travel several to a message (one message costs about the same CPU
+    whatever its size); before a sample that must be fetched first (here: one that hangs) what is at hand
+    goes out, so it is not held back."""
+    release = threading.Event()
+
+    def serve(fid: int, down: frozenset[int]) -> bytes:
+        if fid == 5:
+            release.wait(30)
+        return DATA[fid]
+
+    s = PeerServer("127.0.0.1:0", SECRET, 0, N, serve, fingerprint=FP, ready=lambda fid, down: fid != 5)
+    s.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{s.port}")
+    stub = peer_pb2_grpc.PeerStub(channel)
+    key = auth.derive_key(SECRET)
+    try:
+        req = peer_pb2.FetchRequest(fingerprint=FP, node=1, ids=[0, 1, 2, 3, 4, 5, 6])
+        call = stub.Fetch(req, metadata=auth.sign(key, "Fetch", req.SerializeToString(deterministic=True)),
+                          timeout=20)
+        first = next(call)  # arrives while serve(5) hangs
+        assert [m.id for m in first.samples] == [0, 1, 2, 3, 4]
+        assert all(m.data == DATA[m.id] for m in first.samples)
+        release.set()
+        assert [[m.id for m in b.samples] for b in call] == [[5, 6]]
+    finally:
+        release.set()
+        channel.close()
         s.stop(0)
