@@ -33,6 +33,8 @@ STATE_WRITING = "writing"
 META_DIR = "fsd-ckpt/meta"
 DATA_DIR = "fsd-ckpt/data"
 DEVICE_FILE = "fsd-ckpt/device.json"
+ID_FLOOR_FILE = "fsd-ckpt/id-floor"
+"""Node ids below the number in it are not given to new nodes (ids a buddy may still hold copies of)."""
 
 
 class ManifestError(ValueError):

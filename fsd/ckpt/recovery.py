@@ -71,6 +71,14 @@ def device_identity(root: Path) -> str:
     return ident
 
 
+def id_floor(root: Path) -> int:
+    """The id floor written on device *root* (:data:`fsd.ckpt.manifest.ID_FLOOR_FILE`), 0 without one."""
+    try:
+        return int((root / mf.ID_FLOOR_FILE).read_text().strip() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
 def _path_of(m: Manifest, by_id: dict[int, Manifest]) -> str:
     parts = [m.name]
     seen = {m.id}
@@ -108,7 +116,7 @@ def recover(devices: list[Path]) -> Recovered:
                 data_ids.add(int(name, 16))
             except ValueError:
                 continue
-    max_id = max([FIRST_ID - 1, *best, *data_ids])
+    max_id = max([FIRST_ID - 1, *best, *data_ids, *(id_floor(d) - 1 for d in devices)])
 
     incomplete: list[dict[str, object]] = []
     incomplete_ids: set[int] = set()

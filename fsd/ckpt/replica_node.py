@@ -136,6 +136,11 @@ def restore(src: int, roots: list[Path], clients: list[ReplicaClient]) -> dict[s
             m.devices, m.start = list(uuids), m.start % len(roots)
         for r in roots:
             mf.publish(r, m)
+    if len(reached) < len(clients):  # a buddy may hold copies of ids this node no longer knows: never reuse them
+        floor = b"%d\n" % (time.time_ns() >> 16)
+        folder, name = mf.ID_FLOOR_FILE.rsplit("/", 1)
+        for r in roots:
+            mf.write_atomic(r / folder, name, floor, tag=0)
     report = {"from_nodes": reached, "files": sum(1 for m in restored if m.kind == "file"),
               "dirs": sum(1 for m in restored if m.kind == "dir"), "bytes": moved,
               "seconds": round(time.monotonic() - t0, 3), "errors": errors}

@@ -320,8 +320,9 @@ class Replicator:
             b.committed = held
             for nid, (_, data_seq) in held.items():
                 m = self.latest.get(nid)
-                if m is None and b.node not in self.keep_unknown:
-                    b.drops.setdefault(nid, 0)
+                if m is None:  # not this node's any more, or a copy kept for a restore still to come
+                    if b.node not in self.keep_unknown:
+                        b.drops.setdefault(nid, 0)
                 elif m.kind == "file" and m.data_seq == data_seq and nid not in b.state:
                     b.state[nid], b.calls[nid], b.epoch[nid] = SYNCED, 0, 0
             b.listed = True

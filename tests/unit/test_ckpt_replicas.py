@@ -547,3 +547,34 @@ def test_a_chmod_published_while_the_last_commit_is_on_its_way_needs_no_resend(
         return ns.child(ns.nodes[ROOT_ID], b"f").mode
 
     assert Node(cluster(0), devs).run(mode) == 0o600
+
+
+def test_copies_a_fresh_node_could_not_restore_are_kept_and_new_files_still_replicate(
+        tmp_path: Path, cluster: Callable[..., ClusterConfig], buddy: Buddy) -> None:
+    """A node whose devices are empty mounts while its buddy is down: the buddy's copies of the lost node
+    are never dropped because this node lacks them (a later mount can still restore them), and once the
+    buddy is back the node's new files are replicated as usual."""
+    buddy.start()
+    devs = device_dirs(tmp_path, 2)
+    old, new = _payload(100 * KiB, 1), _payload(50 * KiB, 1)
+    Node(cluster(0, fsync="replicated"), devs).run(lambda ns: _write(ns, "old", old))
+    buddy.stop()
+    _wipe(devs)  # lost; the replacement mounts while the buddy is down
+
+    async def body(ns: Namespace) -> dict[str, Any]:
+        await _write(ns, "new", new)
+        buddy.start()
+        rep = ns.replicas
+        assert rep is not None
+        with trio.fail_after(60):
+            while _status(ns)["lag_files"]:
+                await rep.sync_round()
+                await trio.sleep(0.05)
+        return _status(ns)
+
+    node = Node(cluster(0, fsync="local"), devs)
+    st = node.run(body)
+    assert node.reps.restored is not None and node.reps.restored["from_nodes"] == [], node.reps.restored
+    assert st["state"] == "in sync" and st["failures"] >= 1, st
+    assert buddy.store is not None
+    assert sorted(mf.Manifest.decode(r).name for r in buddy.store.listing(0)) == ["new", "old"]
