@@ -122,6 +122,13 @@ def start_writeback(fd: int, off: int, n: int) -> None:
     _libc.sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)  # a failure only loses the overlap
 
 
+def pwrite_all(fd: int, view: memoryview, off: int) -> None:
+    """os.pwrite until all of *view* is written at *off* (a short write is carried on, not lost)."""
+    while view:
+        n = os.pwrite(fd, view, off)
+        view, off = view[n:], off + n
+
+
 def _pwritev_all(fd: int, views: list[memoryview], off: int) -> None:
     """pwritev until everything is written; a short write is retried so that the
     device's real error (ENOSPC, EIO) surfaces instead of a generic one."""

@@ -31,7 +31,7 @@ from typing import Any
 import trio
 
 from fsd.ckpt import pending
-from fsd.ckpt.device_io import pread_full, start_writeback
+from fsd.ckpt.device_io import pread_full, pwrite_all, start_writeback
 from fsd.ckpt.manifest import DATA_DIR, data_name
 from fsd.ckpt.striping import Layout, merge_ranges
 
@@ -206,7 +206,7 @@ def copy_out(device_roots: list[Path], job: DrainJob, backing_fd: int,
                     cur = next(blocks, None)
                     nxt = pool.submit(fill, 1 - i, *cur) if cur is not None else None
                     with memoryview(bufs[i]) as view:
-                        _pwrite_all(out, view[:n], off)
+                        pwrite_all(out, view[:n], off)
                     # start its write-back now: the store writes while the next block is read,
                     # instead of all of it at the fsync
                     start_writeback(out, off, n)
@@ -237,13 +237,6 @@ def copy_out(device_roots: list[Path], job: DrainJob, backing_fd: int,
             if fd is not None:
                 os.close(fd)
         os.close(pfd)
-
-
-def _pwrite_all(fd: int, view: memoryview, off: int) -> None:
-    """os.pwrite until all of *view* is written at *off*."""
-    while view:
-        n = os.pwrite(fd, view, off)
-        view, off = view[n:], off + n
 
 
 def apply_change(job: DrainJob, backing_fd: int, *, times: bool = True) -> None:

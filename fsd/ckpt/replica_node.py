@@ -22,7 +22,7 @@ from typing import Any
 import trio
 
 from fsd.ckpt import manifest as mf
-from fsd.ckpt.device_io import read_extents, start_writeback
+from fsd.ckpt.device_io import pwrite_all, read_extents, start_writeback
 from fsd.ckpt.namespace import Namespace
 from fsd.ckpt.recovery import Recovered, device_identity
 from fsd.ckpt.replica_store import ReplicaStore
@@ -64,7 +64,7 @@ def _restore_range(m: mf.Manifest, client: ReplicaClient, src: int, roots: list[
             view = memoryview(data)
             for ext in layout.extents(at, len(data)):
                 rel = ext.file_off - at
-                os.pwrite(fds[ext.device], view[rel:rel + ext.length], ext.local_off)
+                pwrite_all(fds[ext.device], view[rel:rel + ext.length], ext.local_off)
                 start_writeback(fds[ext.device], ext.local_off, ext.length)
             moved += len(data)
     finally:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsd.ckpt.device_io import start_writeback
+from fsd.ckpt.device_io import pwrite_all, start_writeback
 from fsd.ckpt.manifest import Manifest, ManifestError, data_name, fsync_dir, meta_name, unlink_quiet, write_atomic
 
 log = logging.getLogger(__name__)
@@ -80,12 +80,16 @@ class ReplicaStore:
             yield (nid + k) % len(self.roots), offset, n
             offset += n
 
+    def _open(self, src: int, nid: int, dev: int) -> int:
+        """The copy's file on device *dev*, for writing (created if missing)."""
+        path = self._data(src, nid, dev)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
     def _each_file(self, src: int, nid: int, fn: Callable[[int], None]) -> None:
         """``fn(fd)`` for the copy's file on every device (created if missing)."""
         for d in range(len(self.roots)):
-            path = self._data(src, nid, d)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = self._open(src, nid, d)
             try:
                 fn(fd)
             finally:
@@ -148,15 +152,9 @@ class ReplicaStore:
             self._invalidate(src, nid, c)
         view = memoryview(data)
         for dev, off, n in self._pieces(nid, offset, offset + len(data)):
-            path = self._data(src, nid, dev)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = self._open(src, nid, dev)
             try:
-                piece = view[off - offset:off - offset + n]
-                at = off
-                while piece:
-                    w = os.pwrite(fd, piece, at)
-                    piece, at = piece[w:], at + w
+                pwrite_all(fd, view[off - offset:off - offset + n], off)
                 start_writeback(fd, off, n)  # now: a commit's fdatasync finds little left
             finally:
                 os.close(fd)
