@@ -477,9 +477,7 @@ class ClusterSource:
     def serve(self, fid: int, down: frozenset[int] = frozenset()) -> Sample | None:
         """*fid*'s sample for a peer that takes the nodes of *down* as down (grpc thread): files this
         node owns in that peer's map, or a recent copy; else None."""
-        if self.closed or not 0 <= fid < len(self.own.owner) or any(k >= self.own.nodes for k in down):
-            return None
-        own = self.owner_map(down - {self.node}, for_peer=True) if down else self.own
+        own = self._peer_map(fid, down)
         if own is None:
             return None
         if int(own.owner[fid]) == self.node:
@@ -490,12 +488,17 @@ class ClusterSource:
 
     def ready(self, fid: int, down: frozenset[int] = frozenset()) -> bool:
         """Whether :meth:`serve` answers *fid* at once (from memory, or missing): no PFS read to wait for."""
-        if self.closed or not 0 <= fid < len(self.own.owner) or any(k >= self.own.nodes for k in down):
-            return True
-        own = self.owner_map(down - {self.node}, for_peer=True) if down else self.own
+        own = self._peer_map(fid, down)
         if own is None or int(own.owner[fid]) != self.node:
             return True
         return self.store.get(fid) is not None or self.recent.get(fid) is not None
+
+    def _peer_map(self, fid: int, down: frozenset[int]) -> Ownership | None:
+        """The owner map a peer's request for *fid* is answered by (the peer's down set), or None: it is
+        answered missing (closed, an id or node past the plan, a down set whose map is not computed yet)."""
+        if self.closed or not 0 <= fid < len(self.own.owner) or any(k >= self.own.nodes for k in down):
+            return None
+        return self.owner_map(down - {self.node}, for_peer=True) if down else self.own
 
     def invalidate(self, fid: int) -> None:
         """The PFS file changed: forget this node's copies."""
