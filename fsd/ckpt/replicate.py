@@ -271,18 +271,21 @@ class Replicator:
     async def sync_round(self) -> None:
         """One comparison and its calls, every buddy at once (one round at a time)."""
         async with self._round_lock:
+            # once a round for every buddy: the versions drained (a version published since is not)
+            drained = {nid: m for nid, m in self.latest.items() if self.drained(nid)}
             async with trio.open_nursery() as n:
                 for b in self.buddies.values():
-                    n.start_soon(self._sync_buddy, b)
+                    n.start_soon(self._sync_buddy, b, drained)
             with self.lock:  # drained and dropped everywhere: no longer compared each round
                 held = set().union(*(b.committed for b in self.buddies.values()))
-            for nid in [nid for nid in self.latest if nid not in held and self.drained(nid)]:
-                del self.latest[nid]
+            for nid, m in drained.items():
+                if nid not in held and self.latest.get(nid) is m:
+                    del self.latest[nid]
         self.rounds += 1
         done, self._round_done = self._round_done, trio.Event()
         done.set()
 
-    async def _sync_buddy(self, b: _Buddy) -> None:
+    async def _sync_buddy(self, b: _Buddy, drained: dict[int, Manifest]) -> None:
         if b.client.down:
             return
         if not b.listed:
@@ -297,7 +300,7 @@ class Replicator:
             committed = dict(b.committed)
         for nid, m in self.latest.items():  # what the buddy lacks, and what is drained
             held = committed.get(nid)
-            if self.drained(nid):
+            if drained.get(nid) is m:
                 if held is not None:
                     drops[nid] = m.data_seq
             elif (held is None or held[0] != m.seq) and nid not in pending:
