@@ -1091,6 +1091,35 @@ def test_the_kernel_tier_follows_the_room_down_dropping_what_is_used_furthest(ds
         cache.close()
 
 
+def test_a_prefetched_file_larger_than_its_estimate_is_kept_for_its_reader(ds: Dataset) -> None:
+    """A fetch reserves twice the mean size seen in staging; a file larger than that finds no staging
+    room when it lands. It goes to a tier for its pending access, not dropped: its reader gets it
+    without a second backend read, even where the plan never uses it again."""
+    total = int(ds.sizes.sum())
+    seed = next(s for s in range(100) if ds.sizes[int(epochs_stream(len(ds.paths), 1, seed=s).file_ids[0])] > 4096)
+    stream = epochs_stream(len(ds.paths), 1, seed=seed)
+    fid = int(stream.file_ids[0])
+    cache = DatasetCache(ds.backend, ram_bytes=2 * total, clock=ManualClock())
+    try:
+        with cache.guard:
+            small = int(stream.file_ids[-1])
+            cache.catalog.note_size(small, 1000)  # the mean seen: the estimate is MIN_ESTIMATE
+            est = cache.catalog.fetch_estimate(fid)
+            assert est < ds.sizes[fid]
+            cache.staging.used = cache.staging.capacity - est  # room for exactly its reservation
+        cache.set_plan(stream)
+        settle(cache)
+        with cache.guard:
+            assert cache.fetcher.overflow_drops == 0
+            assert fid in cache.residency
+            reads = cache.fetcher.backend_reads
+        assert read_whole(cache, fid, len(ds.data[fid])) == ds.data[fid]
+        with cache.guard:
+            assert cache.fetcher.backend_reads == reads and cache.fetcher.demand_reads == 0
+    finally:
+        cache.close()
+
+
 def test_a_reader_that_fetched_a_file_itself_serves_it_when_staging_has_no_room(ds: Dataset) -> None:
     """The reader outran the prefetcher and fetched its file on its own thread; with no tier room
     (a cluster node's RAM tier goes to its owned store) and staging full, the bytes are not kept,
