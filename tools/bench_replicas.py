@@ -15,7 +15,10 @@ Figures (last stdout line, one JSON object):
   the time from a fresh mount's launch to the checkpoint loaded by torch.load (the restore from the
   buddy included) / torch.load of the same checkpoint from the PFS directly, caches dropped (target
   <= 0.5);
-- ``daemon_cpu_s_per_GB``: both daemons' CPU seconds per GB checkpointed under ``"replicated"``.
+- ``daemon_cpu_s_per_GB``: both daemons' CPU seconds per GB checkpointed under ``"replicated"``;
+- ``restore_cpu_s``: CPU seconds of the restoring daemon and of its buddy, to the mount's start and to
+  the checkpoint loaded; the loader's (torch.load, this process); the machine's busy fraction over the
+  restore (1.0: every CPU busy).
 """
 
 from __future__ import annotations
@@ -43,6 +46,14 @@ from fsd.status import read_status
 log = logging.getLogger("fsd.bench-ckpt.replicas")
 REPO = Path(__file__).resolve().parents[1]
 PORT = 7070
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot (/proc/stat)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = f[3] + f[4]  # idle + iowait
+    return (sum(f[:8]) - idle) / tick, sum(f[:8]) / tick
 
 
 def _cpu_s(pid: int) -> float:
@@ -217,11 +228,22 @@ def main(argv: list[str]) -> int:
             direct = time.perf_counter() - t0
             pfs_copy.unlink()
             benchlib.drop_caches()
+            buddy_cpu = _cpu_s(nodes[0].pid)
+            machine0, self0 = _machine_cpu(), time.process_time()
             t0 = time.perf_counter()
             n0 = Node(emu, 0, work, files["replicated"][0], dirty, args.stripe_size)
             nodes.append(n0)
+            cpu_ready = (_cpu_s(n0.pid), _cpu_s(nodes[0].pid) - buddy_cpu)
             back = torch.load(n0.mnt / name)
             restore = time.perf_counter() - t0
+            machine1, loader_cpu = _machine_cpu(), time.process_time() - self0
+            # CPU seconds (restoring daemon, buddy) to the mount's start (the restore), then to loaded
+            result["restore_cpu_s"] = {"to_mounted": [round(x, 2) for x in cpu_ready],
+                                       "to_loaded": [round(_cpu_s(n0.pid), 2),
+                                                     round(_cpu_s(nodes[0].pid) - buddy_cpu, 2)],
+                                       "loader": round(loader_cpu, 2),
+                                       "machine_busy_fraction": round((machine1[0] - machine0[0])
+                                                                      / max(1e-9, machine1[1] - machine0[1]), 3)}
             restored = n0.status()["replicas"]["restored"]
             ok = all(torch.equal(back[k], v) for k, v in sd.items() if hasattr(v, "numel"))
             result.update(pfs_load_s=round(direct, 3), peer_restore_s=round(restore, 3),

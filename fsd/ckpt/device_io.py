@@ -232,6 +232,9 @@ class DeviceIO:
         self.writes = 0
         self.errors = 0
         self.last_error: str | None = None
+        # blocking, before a read of a data file: ``gate(file_id, local_off, length)`` returns once those
+        # bytes are there (a file restored from a buddy while the mount serves it) or raises OSError
+        self.gate: Callable[[int, int, int], None] | None = None
         self._workers: list[threading.Thread] = []
 
     # -- fds -------------------------------------------------------------------------
@@ -269,6 +272,8 @@ class DeviceIO:
     # -- blocking operations -----------------------------------------------------------
     def pread_into(self, file_id: int, local_off: int, view: memoryview) -> None:
         """Fill *view* from the data file at *local_off*; missing bytes read as zero."""
+        if self.gate is not None:
+            self.gate(file_id, local_off, len(view))
         with self.readers.use(file_id) as fd:
             pread_full(fd, view, local_off)
 

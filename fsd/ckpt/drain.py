@@ -295,6 +295,8 @@ class Drainer:
         self.backing_fd = backing_fd
         self.current = current
         self.renamed: Callable[[str, str], None] = lambda src, dst: None
+        # blocking, before a file's bytes are copied: they are all on the devices (a restore from a buddy)
+        self.before_copy: Callable[[int], None] | None = None
         self._send, self._recv = trio.open_memory_channel[DrainJob](100_000)
         self.limiter = trio.CapacityLimiter(1)
         self.drained: dict[str, dict[str, Any]] = {}  # the RECENT newest copies, oldest first
@@ -376,8 +378,7 @@ class Drainer:
             done = job.maybe_drained and await trio.to_thread.run_sync(
                 is_drained, self.backing_fd, rel, job.size, job.content, limiter=self.limiter)
             if not done:
-                await trio.to_thread.run_sync(copy_out, self.device_roots, job, self.backing_fd, self._stop_copy,
-                                              limiter=self.limiter, abandon_on_cancel=True)
+                await trio.to_thread.run_sync(self._copy_out, job, limiter=self.limiter, abandon_on_cancel=True)
         except Aborted:
             return
         except OSError as e:
@@ -396,6 +397,12 @@ class Drainer:
                 self.copy_s += dt
             self._copied[job.id] = (job.version, rel)
             self.errors.pop(rel, None)
+
+    def _copy_out(self, job: DrainJob) -> None:
+        """Blocking: *job*'s file copied out, once it is whole on the devices (``before_copy``)."""
+        if self.before_copy is not None:
+            self.before_copy(job.id)
+        copy_out(self.device_roots, job, self.backing_fd, self._stop_copy)
 
     def _apply_change(self, job: DrainJob) -> None:
         """Blocking: apply a change, then forget its record (also when it failed: the error is

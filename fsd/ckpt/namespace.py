@@ -20,6 +20,8 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import trio
+
 from fsd.ckpt.drain import DrainJob, Drainer
 from fsd.ckpt.drain_feed import DrainFeed
 from fsd.ckpt.file_state import FileState
@@ -36,6 +38,7 @@ from fsd.ckpt.writeback import WriteBack
 
 if TYPE_CHECKING:
     from fsd.ckpt.replicate import Replicator
+    from fsd.ckpt.restore import Restoring
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,7 @@ class Namespace:
         self.failed_at_start = set(self.failed)
         self.replayed: dict[str, object] | None = None  # the pending changes of an earlier mount applied
         self.replicas: Replicator | None = None  # buddy copies (fsd.ckpt.replicate): fsync may wait for them
+        self.restoring: Restoring | None = None  # files still coming back from a buddy (fsd.ckpt.restore)
         self.status_parts: dict[str, Callable[[], object]] = {}  # more of .fsd/status, from the composition root
 
     def new_id(self) -> int:
@@ -398,6 +402,7 @@ class Namespace:
     async def fsync(self, node: Node) -> None:
         """fsync semantics: the data durable on every device, then a complete manifest (and with
         ``fsync = "replicated"``, committed on the buddies)."""
+        await self._restored(node)
         await self._make_durable(node, publish=True)
         if self.replicas is not None and node.fs is not None and not node.backing and node.linked:
             await self.replicas.durable(node.id)
@@ -470,8 +475,11 @@ class Namespace:
         return node
 
     async def _gone(self, node: Node) -> None:
-        """Free an unlinked, closed node's data on every device."""
+        """Free an unlinked, closed node's data on every device (its restore stopped first)."""
         assert node.fs is not None
+        r = self.restoring
+        if r is not None and r.restoring(node.fs.id):
+            await trio.to_thread.run_sync(r.forget, node.fs.id)
         await self.wb.discard(node.fs)
         if node.nlookup == 0:
             self.nodes.pop(node.id, None)
@@ -490,10 +498,18 @@ class Namespace:
         if node.fs is not None:
             node.fs.notify()
 
+    async def _restored(self, node: Node) -> None:
+        """A file coming back from a buddy (:mod:`fsd.ckpt.restore`) is whole and durable on the devices
+        before it changes or an fsync returns (OSError EIO if it cannot be)."""
+        r = self.restoring
+        if r is not None and node.fs is not None and r.restoring(node.fs.id):
+            await trio.to_thread.run_sync(r.wait_file, node.fs.id)
+
     async def _begin_modify(self, node: Node) -> None:
         """Before the first change of a published file: durably mark it ``writing``. A complete
         manifest being written is waited for (the lock), then marked over: it describes the file
         before this change."""
+        await self._restored(node)
         node.version += 1
         node.modified = True
         node.mtime_ns = node.ctime_ns = time.time_ns()

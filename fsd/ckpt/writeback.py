@@ -25,6 +25,7 @@ from fsd.ckpt.file_state import FileState
 from fsd.ckpt.flusher import Flusher
 from fsd.ckpt.readahead import ReadAhead
 from fsd.ckpt.striping import ALIGN
+from fsd.ckpt.tasks import together
 
 __all__ = ["MAX_LFS_FILESIZE", "Chunk", "DeviceIO", "FileState", "WriteBack", "max_file_size"]
 
@@ -233,9 +234,7 @@ class WriteBack:
                 for local_off, rel, length in items:
                     self.devices[dev].pread_into(f.id, local_off, view[rel:rel + length])
 
-            async with trio.open_nursery() as n:
-                for dev, items in per_dev.items():
-                    n.start_soon(self._in_thread, run, dev, items)
+            await together(*(self._in_thread(run, dev, items) for dev, items in per_dev.items()))
         view.release()
         if f.size < end:  # a shrink while the devices were read: what it cut read as zeros, and is gone
             del out[max(0, f.size - off):]

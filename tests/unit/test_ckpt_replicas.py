@@ -25,7 +25,8 @@ from fsd.ckpt import manifest as mf
 from fsd.ckpt.manifest import ROOT_ID
 from fsd.ckpt.namespace import Namespace
 from fsd.ckpt.parts import build_namespace, start_namespace
-from fsd.ckpt.replica_node import CheckpointReplicas, fresh
+from fsd.ckpt.replica_node import CheckpointReplicas
+from fsd.ckpt.restore import fresh
 from fsd.ckpt.replica_store import ReplicaStore
 from fsd.ckpt.reports import unmount_report
 from fsd.cluster import auth, peer_pb2, peer_pb2_grpc
