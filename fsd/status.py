@@ -91,7 +91,7 @@ def cluster_lines(doc: dict[str, Any]) -> list[str]:
 
 def replica_lines(doc: dict[str, Any]) -> list[str]:
     """``fsd status``'s summary of a checkpoint mount's buddy replicas (the ``replicas`` key), one line per
-    buddy: is the latest of every file there (its lag), and what moved."""
+    buddy: is the latest of every file there (its lag), and what moved; then a restore from the buddies."""
     rep = doc.get("replicas")
     if not isinstance(rep, dict) or not isinstance(rep.get("to_buddies"), dict):
         return []
@@ -103,6 +103,14 @@ def replica_lines(doc: dict[str, Any]) -> list[str]:
         out.append(f"  buddy {b.get('node')} {b.get('address')}: {b.get('state')}; lag {b.get('lag_files')} files "
                    f"({_mib(b.get('lag_bytes'))}), sent {_mib(b.get('sent_bytes'))}, sent again "
                    f"{_mib(b.get('resent_bytes'))}{err}")
+    rs = rep.get("restored")
+    if isinstance(rs, dict) and rs.get("files"):
+        state = "done" if not rs.get("restoring") else "under way"
+        errs = rs.get("errors") or []
+        first = f"; {errs[0]}" if errs else ""
+        out.append(f"  restore from node(s) {rs.get('from_nodes')} {state}: {rs.get('restored')} of {rs.get('files')} "
+                   f"files whole ({_mib(rs.get('bytes'))} of {_mib(rs.get('bytes_total'))}, {rs.get('seconds')} s), "
+                   f"{rs.get('failed', 0)} unreadable until a later mount restores them{first}")
     return out
 
 
