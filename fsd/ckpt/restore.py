@@ -330,6 +330,8 @@ class Restoring:
             _clear_mark(self.roots, f.m.id)
         except OSError as e:
             with self._cv:
+                if self._files.get(f.m.id) is not f:  # removed meanwhile (forget): nothing to make durable
+                    return
                 f.error = f"made durable: {e}"
                 f.state[-1] = FAILED
                 self.errors.append(f"{f.m.name} (node {f.m.id}): {f.error}")

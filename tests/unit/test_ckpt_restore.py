@@ -57,7 +57,8 @@ def _lost_node(tmp_path: Path, cluster: Callable[..., ClusterConfig], buddy: Bud
     """A node that wrote model.pt under ``fsync = "replicated"`` and lost its devices."""
     buddy.start()
     devs = device_dirs(tmp_path, 2)
-    node = Node(cluster(0, fsync="replicated"), devs)
+    # a held read must outlast a busy machine: the restore's calls time out after replica_timeout
+    node = Node(cluster(0, fsync="replicated", replica_timeout=60.0), devs)
     node.run(lambda ns: _write(ns, "model.pt", data))
     _wipe(devs)
     assert fresh(devs)
@@ -128,7 +129,7 @@ def test_a_restore_cut_short_is_resumed_by_the_next_mount_and_never_reads_as_zer
     data = _payload(4 * RANGE + 5, 1)
     node = _lost_node(tmp_path, cluster, buddy, data)
     held = HeldReads(buddy, RANGE)
-    reps = CheckpointReplicas(cluster(0, fsync="replicated"), node.devices)
+    reps = CheckpointReplicas(node.cfg, node.devices)
     reps.before_recovery()  # laid out, marked and published; the first range lands, the others are held
     assert reps.restoring is not None
     assert wait_for(lambda: reps.restoring is not None and reps.restoring.bytes >= RANGE and held.held == 4)
