@@ -103,6 +103,10 @@ def replica_lines(doc: dict[str, Any]) -> list[str]:
         out.append(f"  buddy {b.get('node')} {b.get('address')}: {b.get('state')}; lag {b.get('lag_files')} files "
                    f"({_mib(b.get('lag_bytes'))}), sent {_mib(b.get('sent_bytes'))}, sent again "
                    f"{_mib(b.get('resent_bytes'))}{err}")
+    kept = rep.get("kept")
+    if isinstance(kept, dict) and kept.get("sources"):
+        out.append(f"  copies kept for node(s) {kept.get('sources')}: {_mib(kept.get('held'))} of "
+                   f"{_mib(kept.get('room'))} room, {kept.get('refused_no_room', 0)} refused for want of room")
     rs = rep.get("restored")
     if isinstance(rs, dict) and rs.get("files"):
         state = "done" if not rs.get("restoring") else "under way"

@@ -58,7 +58,7 @@ class CheckpointReplicas:
 
     def serve(self) -> None:
         """Keep copies for the nodes behind this one on the ring (FsdError if the address is taken)."""
-        self.store = ReplicaStore(self.roots)
+        self.store = ReplicaStore(self.roots, self.cfg.replica_room)
         sources = {(self.cfg.index - j) % self.cfg.size for j in range(1, self.cfg.replicas + 1)}
         self.server = ReplicaServer(self.cfg.ckpt_listen(), self.cfg.secret, self.store, sources, tls=self.cfg.tls)
         self.server.start()

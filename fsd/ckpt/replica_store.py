@@ -11,6 +11,11 @@ Writes go to the page cache with their write-back started at once (``sync_file_r
 commit's ``fdatasync`` of every device file finds little left to write, and every device takes its
 share of the copy.
 
+The copies take at most *room* bytes (each counted at its largest extent: the end of its furthest write or
+its size; by default half the devices' size): a Put past it is refused with ENOSPC before any byte is
+written, and so is a file sent whole whose size does not fit, before its first byte: peers cannot fill
+this node's devices; the source holds such a file as lagging until drained files' copies are dropped.
+
 A copy is *committed* once its data is ``fdatasync``ed and its manifest written durably; only committed
 copies are listed and read. The first Put or Truncate after a commit removes the manifest durably before
 any byte changes, so a committed copy is always exactly the content its manifest names. A commit is
@@ -50,19 +55,23 @@ class _Copy:
     raw: bytes = b""  # the committed manifest as the source sealed it
     calls: int = 0  # Puts and Truncates applied since the last commit or reset
     epoch: int = 0  # the source's name of the last reset (0: none since the last commit)
+    extent: int = 0  # bytes it is counted for against the room (its furthest end written, or its size)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class ReplicaStore:
     """The copies kept here, by (source node, node id). Implements :class:`fsd.cluster.replica_rpc.ReplicaHandler`."""
 
-    def __init__(self, roots: list[Path]) -> None:
+    def __init__(self, roots: list[Path], room: int | None = None) -> None:
         self.roots = [Path(r) for r in roots]
         self.incarnation = uuid.uuid4().hex
+        self.room = room if room is not None else sum(_size_of(r) for r in self.roots) // 2
+        self.held = 0  # the copies' extents together (under _lock)
         self._lock = threading.Lock()
         self._copies: dict[tuple[int, int], _Copy] = {}
         self.commits = 0
         self.refused_commits = 0
+        self.refused_no_room = 0
         self._load()
 
     # -- layout ----------------------------------------------------------------------------
@@ -117,12 +126,25 @@ class ReplicaStore:
                         c = self._copies.setdefault((int(sd.name), m.id), _Copy())
                         if c.committed is None or m.seq > c.committed.seq:
                             c.committed, c.raw = m, raw
+                            self._extend(c, m.size if m.kind == "file" else 0, shrink=True)
 
     def _copy(self, src: int, nid: int) -> _Copy:
         if not 0 <= src < 1 << 16 or nid < 2:
             raise ValueError(f"bad source node {src} or node id {nid}")
         with self._lock:
             return self._copies.setdefault((src, nid), _Copy())
+
+    def _extend(self, c: _Copy, extent: int, *, shrink: bool = False, check: bool = False) -> None:
+        """Count *c* for *extent* bytes (at least its present extent unless *shrink*); with *check*, ENOSPC
+        if that would take the copies past the room."""
+        with self._lock:
+            new = extent if shrink else max(c.extent, extent)
+            if check and new > c.extent and self.held + new - c.extent > self.room:
+                self.refused_no_room += 1
+                raise OSError(errno.ENOSPC, f"no room for another {new - c.extent} bytes of copies: "
+                              f"{self.held} of the {self.room} bytes kept for other nodes are taken")
+            self.held += new - c.extent
+            c.extent = new
 
     def _on_every_device(self, src: int, fn: object, *args: object) -> None:
         for root in self.roots:
@@ -148,6 +170,7 @@ class ReplicaStore:
         if offset < 0 or offset + len(data) > MAX_OFFSET:
             raise ValueError(f"offset {offset} + {len(data)} bytes is out of range")
         c = self._copy(src, nid)
+        self._extend(c, offset + len(data), check=True)
         with c.lock:
             self._invalidate(src, nid, c)
         view = memoryview(data)
@@ -163,17 +186,21 @@ class ReplicaStore:
             c.calls += 1
 
     def truncate(self, src: int, nid: int, size: int, reset: bool, epoch: int = 0) -> None:
-        """The copy of *nid* is *size* bytes long (*reset*: empty, its call count starts again, and a
-        commit must name *epoch*)."""
-        if not 0 <= size <= MAX_OFFSET or (reset and size):
+        """The copy of *nid* is *size* bytes long; *reset*: empty instead, its call count starts again, a
+        commit must name *epoch*, and room is kept for the *size* bytes to come (ENOSPC, the copy left
+        empty, if there is none: a file sent whole is refused before its first byte)."""
+        if not 0 <= size <= MAX_OFFSET:
             raise ValueError(f"bad size {size}")
         c = self._copy(src, nid)
         with c.lock:
             self._invalidate(src, nid, c)
-            self._each_file(src, nid, lambda fd: os.ftruncate(fd, size))
+            self._each_file(src, nid, lambda fd: os.ftruncate(fd, 0 if reset else size))
             if reset:
                 c.calls, c.epoch = 0, epoch
+                self._extend(c, 0, shrink=True)
+                self._extend(c, size, check=True)
             else:
+                self._extend(c, size, shrink=True, check=True)
                 c.calls += 1
 
     def commit(self, src: int, nid: int, raw: bytes, incarnation: str, calls: int, epoch: int = 0) -> bool:
@@ -197,6 +224,7 @@ class ReplicaStore:
                     os.fdatasync(fd)
 
                 self._each_file(src, nid, durable)
+                self._extend(c, m.size, shrink=True)
                 for root in self.roots:
                     fsync_dir(self._dir(root, src))
             self._on_every_device(src, lambda d: write_atomic(d, meta_name(nid), raw, tag=m.seq))
@@ -214,6 +242,7 @@ class ReplicaStore:
             for d in range(len(self.roots)):
                 unlink_quiet(self._data(src, nid, d))
             c.calls, c.epoch = 0, 0
+            self._extend(c, 0, shrink=True)
         with self._lock:
             self._copies.pop((src, nid), None)
 
@@ -263,7 +292,14 @@ class ReplicaStore:
                 e[0] += 1
                 e[1] += c.committed.size
         return {"incarnation": self.incarnation, "commits": self.commits, "refused_commits": self.refused_commits,
+                "room": self.room, "held": self.held, "refused_no_room": self.refused_no_room,
                 "kept": {str(s): {"nodes": n, "bytes": b} for s, (n, b) in sorted(per.items())}}
+
+
+def _size_of(root: Path) -> int:
+    """Bytes of the filesystem under *root*."""
+    st = os.statvfs(root)
+    return st.f_blocks * st.f_frsize
 
 
 __all__ = ["REPLICA_DIR", "ReplicaStore"]

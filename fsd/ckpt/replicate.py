@@ -247,9 +247,10 @@ class Replicator:
                 b.resetting.pop(nid, None)
             ev.set()
 
-    def _failed(self, b: _Buddy, nid: int, e: ReplicaError) -> None:
+    def _failed(self, b: _Buddy, nid: int | None, e: ReplicaError) -> None:
+        """A call to *b* failed (for file *nid*: it is sent whole later)."""
         with self.lock:
-            if nid in b.state:
+            if nid is not None and nid in b.state:
                 b.state[nid] = STALE
             b.failures += 1
             b.last_error = str(e)
@@ -331,7 +332,8 @@ class Replicator:
             b.listed = True
 
     def _send(self, b: _Buddy, drops: dict[int, int], work: list[tuple[Manifest, int, int, bool]]) -> None:
-        """Blocking: drops, then commits (a file sent again whole first when the buddy cannot have it)."""
+        """Blocking: drops, then commits (a file sent again whole first when the buddy cannot have it). A
+        file the buddy refuses (no room for it) holds up no other; a buddy that is down ends the round."""
         try:
             for nid, data_seq in drops.items():
                 b.client.drop(nid, data_seq)
@@ -339,14 +341,19 @@ class Replicator:
                     b.committed.pop(nid, None)
                     if nid in b.state:
                         b.state[nid] = STALE
-            for m, calls, epoch, idle in work:
-                if self.latest.get(m.id) is m:  # else superseded or removed meanwhile
-                    self._commit(b, m, calls, epoch, idle)
         except ReplicaError as e:
-            with self.lock:
-                b.failures += 1
-                b.last_error = str(e)
-            log.debug("replicas: %s", e)
+            self._failed(b, None, e)
+            return
+        for m, calls, epoch, idle in work:
+            if self.latest.get(m.id) is not m:  # superseded or removed meanwhile
+                continue
+            try:
+                self._commit(b, m, calls, epoch, idle)
+            except ReplicaError as e:
+                self._failed(b, None, e)
+                if b.client.down:
+                    return
+
 
     def _commit(self, b: _Buddy, m: Manifest, calls: int, epoch: int, idle: bool) -> None:
         nid, raw = m.id, m.encode()
@@ -388,7 +395,7 @@ class Replicator:
             b.interleaved.discard(nid)
             epoch = b.epoch[nid] = next(self._epochs)
         try:
-            inc = b.client.truncate(nid, 0, reset=True, epoch=epoch)
+            inc = b.client.truncate(nid, m.size, reset=True, epoch=epoch)  # room for it all, or refused now
             n = 0
             for off in range(0, m.size, RESEND_PIECE):
                 try:

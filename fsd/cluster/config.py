@@ -22,6 +22,7 @@ One TOML file (``fsd mount --cluster FILE``) or the ``[data.cluster]`` table of
     replicas = 1                  # buddy nodes that keep a copy of each checkpoint file (0: none, the default)
     fsync = "replicated"          # "local" (default): fsync = durable here; "replicated": and on the buddies
     replica_timeout = 30.0        # seconds a "replicated" fsync waits for its buddies before failing with EIO
+    replica_room = "200G"         # most device bytes this node keeps for other nodes' copies (default: half its devices)
     ckpt_port_offset = 1          # a checkpoint daemon listens on its node's port + this
 
 Inside a Slurm job, ``nodes = "slurm"`` with ``port = 7070`` derives the list from
@@ -53,7 +54,7 @@ MAX_NODES = 1 << 16
 MAX_SECRET_BYTES = 4096
 KEYS = ("node", "nodes", "port", "listen", "secret_file", "fetch_timeout", "connect_timeout", "backoff_max",
         "max_batch", "capacity", "node_ranks", "metrics", "tls_cert", "tls_key", "tls_ca", "replicas", "fsync",
-        "replica_timeout", "ckpt_port_offset")
+        "replica_timeout", "replica_room", "ckpt_port_offset")
 FSYNC_LEVELS = ("local", "replicated")
 TLS_KEYS = ("tls_cert", "tls_key", "tls_ca")
 MAX_PEM_BYTES = 1 << 20
@@ -92,6 +93,7 @@ class ClusterConfig:
     replicas: int = 0
     fsync: str = "local"
     replica_timeout: float = 30.0
+    replica_room: int | None = None  # None: half the devices' size
     ckpt_port_offset: int = 1
 
     @property
@@ -371,6 +373,12 @@ def parse_cluster(table: Mapping[str, Any], where: str = "cluster config", base:
         raise ClusterConfigError(f"{where}: `fsync` must be one of {list(FSYNC_LEVELS)}, got {fsync!r}")
     if fsync == "replicated" and not replicas:
         raise ClusterConfigError(f"{where}: fsync = \"replicated\" needs `replicas` >= 1")
+    room = table.get("replica_room")
+    if room is not None:
+        try:
+            room = parse_size(room)
+        except (ValueError, TypeError) as e:
+            raise ClusterConfigError(f"{where}: `replica_room`: {e}") from None
     offset = table.get("ckpt_port_offset", 1)
     if type(offset) is not int or not 1 <= offset < 65535:
         raise ClusterConfigError(f"{where}: `ckpt_port_offset` must be an integer in 1..65534, got {offset!r}")
@@ -380,7 +388,7 @@ def parse_cluster(table: Mapping[str, Any], where: str = "cluster config", base:
     return ClusterConfig(
         tls=_tls(table, where, base),
         replicas=replicas, fsync=fsync, replica_timeout=_number(table, "replica_timeout", 30.0, where),
-        ckpt_port_offset=offset,
+        replica_room=room, ckpt_port_offset=offset,
         index=index_v, nodes=tuple(nodes), secret_file=secret_file, secret=secret, listen=listen,
         fetch_timeout=_number(table, "fetch_timeout", 10.0, where),
         connect_timeout=_number(table, "connect_timeout", 5.0, where),

@@ -15,6 +15,7 @@ the buddy does or does not do: the caller counts the buddy as behind and sends a
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -69,6 +70,10 @@ def _body(method: str, req: Any) -> bytes:
     return _put_body(req) if method == "Put" else req.SerializeToString(deterministic=True)
 
 
+def _no_room(e: BaseException) -> bool:
+    return isinstance(e, grpc.RpcError) and hasattr(e, "code") and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class _Servicer(peer_pb2_grpc.ReplicaServicer):
     def __init__(self, server: ReplicaServer) -> None:
         self.s = server
@@ -94,6 +99,8 @@ class _Servicer(peer_pb2_grpc.ReplicaServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except OSError as e:
+            if e.errno == errno.ENOSPC:  # the room kept for copies, or the devices themselves, are full
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room: {e.strerror or e}")
             log.error("replicas: %s", e)
             context.abort(grpc.StatusCode.INTERNAL, f"{e.strerror or e}")
 
@@ -203,8 +210,10 @@ class ReplicaClient:
                  ("grpc.max_receive_message_length", READ_PIECE + (1 << 20))]
         self._channel = open_channel(address, cfg.tls, opts)
         self._stub = peer_pb2_grpc.ReplicaStub(self._channel)
+        # a buddy without room is up (it answers at once, and the drops that make room must get through)
         self.breaker = pybreaker.CircuitBreaker(fail_max=BREAKER_FAILS, reset_timeout=cfg.backoff_max,
-                                                name=f"replica-{node}", throw_new_error_on_trip=False)
+                                                name=f"replica-{node}", throw_new_error_on_trip=False,
+                                                exclude=[_no_room])
         self.last_error = ""
         self.last_ok = 0.0
         self._opened_at = 0.0  # when a failure last found the breaker open

@@ -103,8 +103,8 @@ class Buddy:
         self.store: ReplicaStore | None = None
         self.server: ReplicaServer | None = None
 
-    def start(self) -> None:
-        self.store = ReplicaStore(self.devices)
+    def start(self, room: int | None = None) -> None:
+        self.store = ReplicaStore(self.devices, room)
         self.server = ReplicaServer(self.cfg.ckpt_listen(), self.cfg.secret, self.store, {1 - self.cfg.index})
         self.server.start()
 
