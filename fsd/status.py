@@ -78,6 +78,11 @@ def cluster_lines(doc: dict[str, Any]) -> list[str]:
     out = [f"cluster: node {cl.get('node')} of {len(cl.get('nodes') or [])} ({cl.get('listen')}), {how}",
            f"cluster bytes: PFS {_mib(b.get('pfs'))}, peers {_mib(b.get('peers'))}, local store "
            f"{_mib(b.get('local_store'))}, served to peers {_mib(b.get('served_to_peers'))}"]
+    stg = (cl.get("store") or {}).get("staging")
+    if isinstance(stg, dict):
+        out.append(f"cluster staging: {stg.get('done')} of {stg.get('files')} owned files read ahead "
+                   f"({src.get('staged_files', 0)} from the PFS), {stg.get('seconds')} s"
+                   + (", the store is full" if stg.get("store_full") else ""))
     for p in cl.get("peers") or []:
         lat = p.get("latency_ewma_s")
         out.append(f"  peer {p.get('node')} {p.get('address')}: {p.get('state')}; fetched {p.get('fetched_samples')} "

@@ -17,10 +17,10 @@ from fsd.sizes import parse_size as _parse_size
 from fsd.threads import name_os_thread, start_thread
 
 if TYPE_CHECKING:
-    from fsd.plan.job_stream import Built, JobListing, job_demand
+    from fsd.plan.job_stream import Built, JobListing, first_use_order, job_demand
 
 _ON_FIRST_USE = {"Built": "fsd.plan.job_stream", "JobListing": "fsd.plan.job_stream",
-                 "job_demand": "fsd.plan.job_stream"}
+                 "job_demand": "fsd.plan.job_stream", "first_use_order": "fsd.plan.job_stream"}
 
 
 def __getattr__(name: str) -> Any:
@@ -43,5 +43,5 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"not a size: {text!r} (use e.g. 512M, 16G)") from None
 
 
-__all__ = ["Built", "FsdError", "JobListing", "JobPlan", "PlanError", "job_demand", "name_os_thread", "parse_size",
+__all__ = ["Built", "FsdError", "JobListing", "JobPlan", "PlanError", "first_use_order", "job_demand", "name_os_thread", "parse_size",
            "start_thread"]

@@ -116,6 +116,7 @@ class ClusterMember:
                                max_batch=c.max_batch, reown=cp.ownership)
         self.owner_summary = own.summary(cp.sizes)
         self._share(source, cache, fp, "")
+        source.stage(cp.first_use_order)
         mine = self.owner_summary[c.index]
         log.info("cluster: sharing plan %s: node %d owns %d files (%d cached, %d bytes), %.2f s", fp[:12], c.index,
                  mine["files"], mine["cached_files"], mine["cached_bytes"], time.monotonic() - t0)

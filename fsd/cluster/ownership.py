@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .compat import JobListing, JobPlan, job_demand
+from .compat import JobListing, JobPlan, first_use_order, job_demand
 
 log = logging.getLogger(__name__)
 
@@ -386,6 +386,10 @@ class ClusterPlan:
     def demand(self) -> np.ndarray:
         """See :func:`fsd.plan.job_stream.job_demand`."""
         return job_demand(self.job, self.listing, self.indices)
+
+    def first_use_order(self) -> np.ndarray:
+        """See :func:`fsd.plan.job_stream.first_use_order`."""
+        return first_use_order(self.job, self.listing, self.indices)
 
     def ownership(self, down: frozenset[int] = frozenset()) -> Ownership:
         """See :func:`compute_ownership`; *down*: the nodes taken as down."""

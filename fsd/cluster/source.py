@@ -37,6 +37,7 @@ import numpy as np
 from . import stats as st
 from .compat import start_thread
 from .ownership import Ownership
+from .stager import Stager
 from .stores import OwnedStore, PfsFiles, RecentBuffer, Sample, pfs_sample
 from .transport import PeerClient, Peers
 
@@ -84,6 +85,8 @@ class SourceCounters:
     served_pfs_reads: int = 0    # owned files read from the PFS because a peer asked
     reowned_files: int = 0       # files read whose owner was down: from the node that owns them now, or here
     served_reowned: int = 0      # files served to a peer that took their owner as down
+    staged_files: int = 0        # owned files read into the store before anyone asked (fsd.cluster.stager)
+    staged_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -280,6 +283,7 @@ class ClusterSource:
         self._ahead_bytes = 0
         self._lock = threading.Lock()
         self.closed = False
+        self.stager: Stager | None = None
         self._stop = threading.Event()
         self._watcher = start_thread(self._watch, name="fsd-cluster-members")
 
@@ -473,6 +477,23 @@ class ClusterSource:
                     self._inflight.pop(fid, None)
                 ev.set()
 
+    # ------------------------------------------------------------------ staging (fsd.cluster.stager)
+    def stage(self, order_of: Callable[[], np.ndarray]) -> None:
+        """Read this node's cached share into the store before anyone asks, in the order *order_of()* (the
+        whole job's first reads) gives."""
+        own = self.own
+        self.stager = Stager(order_of, lambda o: o[(own.owner[o] == self.node) & own.cached[o]], self.stage_one)
+
+    def stage_one(self, fid: int) -> bool:
+        """Read owned *fid* into the store unless something holds it already (a stager thread); whether
+        the store has it now (False: the store is full)."""
+        if self.closed or self.store.get(fid) is not None:
+            return True
+        (data, _), local = self._owned(fid, self.own, for_peer=False)
+        if not local:
+            self.counters.add(staged_files=1, staged_bytes=len(data))
+        return self.store.get(fid) is not None
+
     # ------------------------------------------------------------------ a peer's request
     def serve(self, fid: int, down: frozenset[int] = frozenset()) -> Sample | None:
         """*fid*'s sample for a peer that takes the nodes of *down* as down (grpc thread): files this
@@ -513,12 +534,15 @@ class ClusterSource:
                 "owned_files": int(np.count_nonzero(self.own.owner == self.node)),
                 "owned_cached_files": int(np.count_nonzero((self.own.owner == self.node) & self.own.cached)),
                 "store_files": len(self.store), "store_bytes": self.store.used,
-                "store_capacity": self.store.capacity}
+                "store_capacity": self.store.capacity,
+                "staging": self.stager.status() if self.stager is not None else None}
 
     def close(self) -> None:
         """Stop the owner queues and the membership thread (calls end within their timeouts; not waited for)."""
         self.closed = True
         self._stop.set()
+        if self.stager is not None:
+            self.stager.close()
         for q in self.queues.values():
             q.close()
         self.batcher.close()

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -268,6 +269,30 @@ def job_demand(job: JobPlan, listing: JobListing, indices: Mapping[str, Sequence
     return demand
 
 
+def first_use_order(job: JobPlan, listing: JobListing, indices: Mapping[str, Sequence[np.ndarray]] | None = None
+                    ) -> np.ndarray:
+    """The files the whole job (every rank of the world) reads in its first remaining epoch, in the order it
+    first reads them: the loaders in their order, each a step of every rank at a time. What an owner stages
+    first. O(files): one epoch's permutation per loader, drawn for the world."""
+    _check_world_loaders(job)
+    indices = indices or {}
+    world = tuple(range(job.num_replicas))
+    epoch = job.start_epoch
+    parts = []
+    for ld in job.loaders:
+        if not ld.ranks or not ld.runs_in(epoch):
+            continue
+        n = listing.samples(ld.name)
+        idx = loader_epoch(job, dataclasses.replace(ld, ranks=world), n, epoch, indices=indices.get(ld.name))
+        order = idx.T.ravel() if ld.sampler == "distributed" else idx[0]  # step-major over the world's ranks
+        parts.append(np.asarray(listing.file_ids(ld.name, order), dtype=np.int64))
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    fids = np.concatenate(parts)
+    _, first = np.unique(fids, return_index=True)
+    return fids[np.sort(first)]
+
+
 def _check_world_loaders(job: JobPlan) -> None:
     for ld in job.loaders:
         if ld.sampler != "distributed" and set(ld.ranks) != set(job.ranks):
@@ -343,4 +368,4 @@ def build_node_stream(plan: Plan, n_files: int, *, indices: Sequence[np.ndarray]
 
 __all__ = ["SPLIT_NAMES", "Built", "JobListing", "Lister", "build_node_stream", "build_plan",
            "job_stream", "list_job", "load_job_indices", "loader_epoch", "root_lister", "sample_space",
-           "job_demand", "split_warning"]
+           "first_use_order", "job_demand", "split_warning"]

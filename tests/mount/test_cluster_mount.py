@@ -153,6 +153,37 @@ def test_reads_through_the_peer_are_byte_exact_and_counted(tmp_path: Path, mount
     assert c.status(0)["server"]["replays"] == 1
 
 
+def test_an_owner_stages_its_share_before_anyone_asks(tmp_path: Path, mounter) -> None:
+    """Once the plan is shared, each node reads the files it owns and caches for the cluster into its store,
+    in the order the job first reads them, before any rank reads; the job's reads then find them there."""
+    c = Cluster(tmp_path, mounter)
+    for i in (0, 1):
+        c.mounts[i].control(c.plan(i))
+    for i in (0, 1):
+        assert wait_for(lambda: c.status(i)["sharing"])
+
+    def staged(i: int) -> bool:
+        st = c.status(i)["store"]
+        return st["staging"] is not None and st["staging"]["done"] == st["staging"]["files"] == st["owned_cached_files"]
+
+    for i in (0, 1):
+        assert wait_for(lambda: staged(i), timeout=60), c.status(i)["store"]
+        st = c.status(i)["store"]
+        assert st["store_files"] == st["owned_cached_files"] > 0 and not st["staging"]["store_full"], st
+    def owned_reads(src: dict) -> int:  # PFS reads of owned files (a hedged or failed peer fetch is a fallback)
+        return src["pfs_files"] - src["fallback_files"]
+
+    before = [owned_reads(c.status(i)["source"]) for i in (0, 1)]
+    for epoch in range(EPOCHS):
+        c.read_exact(1, c.order(1, epoch), cold=True)
+        c.read_exact(0, c.order(0, epoch), cold=True)
+    after = [c.status(i)["source"] for i in (0, 1)]
+    assert [owned_reads(a) for a in after] == before, after  # nothing owned was read from the PFS again
+    out = subprocess.run([sys.executable, "-m", "fsd.cli", "status", str(c.mnts[0])], capture_output=True,
+                         text=True, cwd=REPO, timeout=60).stdout
+    assert "cluster staging: " in out and "owned files read ahead" in out, out
+
+
 def test_a_peer_killed_mid_read_falls_back_to_the_pfs(tmp_path: Path, mounter) -> None:
     c = Cluster(tmp_path, mounter)
     c.mounts[0].control(c.plan(0))

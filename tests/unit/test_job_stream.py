@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Subs
 from fsd.plan.job_stream import build_node_stream
 from fsd.plan.document import PlanError, parse_plan
 from fsd.plan.job import parse_job
-from fsd.plan.job_stream import build_plan, job_stream, list_job, loader_epoch, root_lister
+from fsd.plan.job_stream import build_plan, first_use_order, job_stream, list_job, loader_epoch, root_lister
 
 
 @pytest.fixture
@@ -223,3 +223,20 @@ def test_loader_root_errors(data: Path, tmp_path: Path) -> None:
         with pytest.raises(PlanError, match="loader 'b'") as ei:
             _build(data, doc)
         assert needle in str(ei.value)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_first_use_order_is_the_order_the_whole_world_first_reads_files_in(data: Path, world: int) -> None:
+    """What an owner stages first (cluster mode): the files of the first remaining epoch in the order the
+    world's ranks first read them, computed on a node that holds one rank."""
+    def doc(ranks: list[int]) -> dict:
+        common = {"batch_size": 1, "num_workers": 0}
+        return {"epochs": 2, "num_replicas": world, "ranks": ranks, "loaders": [
+            {"name": "train", "root": "train", "sampler": "distributed", "seed": 5, **common},
+            {"name": "val", "root": "val", "sampler": "distributed", "shuffle": False, **common}]}
+
+    node, whole = _build(data, doc([world - 1])), _build(data, doc(list(range(world))))
+    s = whole.stream
+    want = list(dict.fromkeys(whole.paths[f] for f in s.file_ids[: s.epoch_bounds[1]].tolist()))
+    got = [node.paths[f] for f in first_use_order(node.plan, node.listing, node.indices)]
+    assert got == want and len(got) == 33 + 14
