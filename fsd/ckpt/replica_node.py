@@ -18,7 +18,7 @@ from fsd.ckpt.namespace import Namespace
 from fsd.ckpt.recovery import Recovered
 from fsd.ckpt.replica_store import ReplicaStore
 from fsd.ckpt.replicate import Replicator
-from fsd.ckpt.restore import Restoring, begin, fresh, marked, resume
+from fsd.ckpt.restore import Restoring, needed, plan
 from fsd.cluster.config import ClusterConfig
 from fsd.cluster.replica_rpc import ReplicaClient, ReplicaServer
 
@@ -49,11 +49,8 @@ class CheckpointReplicas:
     def before_recovery(self) -> None:
         """Blocking, before the namespace is recovered: on empty devices, the buddies' copies laid out and
         published (their bytes fetched from then on); else the files an earlier restore left unfinished."""
-        if fresh(self.roots):
-            self._listed, self.restoring = begin(self.cfg.index, self.roots, self.clients)
-        elif ids := marked(self.roots):
-            self._listed, self.restoring = resume(self.cfg.index, self.roots, self.clients, ids)
-        if self.restoring is not None:
+        if needed(self.roots):
+            self._listed, self.restoring = plan(self.cfg.index, self.roots, self.clients)
             self.restoring.start()
 
     def serve(self) -> None:

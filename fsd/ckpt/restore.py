@@ -11,7 +11,8 @@ wait for the whole file.
 
 Crash safety: a file's mark (``RESTORING_DIR``) is durable before its manifest and removed only once its
 bytes are durable on the devices. A mount that finds marks restores those files again, from the
-buddies' copies of the same version, before anything reads them. A file whose copy cannot be had (no
+buddies' copies of the same version, before anything reads them; one that finds the set-up itself
+cut short (``BEGUN_FILE``: some manifests published, not all) does the set-up again. A file whose copy cannot be had (no
 buddy reached, or none holds that version) reads as EIO and keeps its mark for a later mount: its
 bytes are never served as zeros. A buddy that cannot be reached is named in status and its copies
 are kept (never dropped because this node lacks them).
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 
 RESTORING_DIR = "fsd-ckpt/restoring"
 """One empty file per file whose bytes are not yet all durable on the devices (named as its data file)."""
+
+BEGUN_FILE = "fsd-ckpt/restore-begun"
+"""Present while a restore lays out and publishes the buddies' copies: a mount that finds it does it again."""
 
 RESTORE_RANGE = 16 << 20
 """Bytes of a file fetched by one call (rounded to whole stripe rows): what a read that finds its range
@@ -395,46 +399,35 @@ def _listing(src: int, clients: list[ReplicaClient]) -> tuple[dict[int, tuple[mf
     return best, reached, errors
 
 
-def begin(src: int, roots: list[Path], clients: list[ReplicaClient]) -> tuple[dict[str, Any], Restoring]:
-    """Blocking, on empty devices *roots*: every committed copy of node *src* the buddies hold laid out,
-    marked and published; their bytes to be fetched by the returned :class:`Restoring` (not started)."""
-    best, reached, errors = _listing(src, clients)
-    rs = Restoring(src, roots)
-    uuids = [device_identity(r) for r in roots]
-    files = sorted((m for m, _ in best.values() if m.kind == "file"), key=lambda m: m.id)
-    for m in files:
-        m.devices, m.start = list(uuids), m.start % len(roots)
-        _lay_out(m, roots)
-    _set_marks(roots, [m.id for m in files])
-    for m in [m for m, _ in best.values() if m.kind == "dir"] + files:
-        for r in roots:
-            mf.publish(r, m)
-    for m in files:
-        rs.add(m, best[m.id][1])
-    if len(reached) < len(clients):  # a buddy may hold copies of ids this node no longer knows: never reuse them
-        floor = b"%d\n" % (time.time_ns() >> 16)
-        folder, name = mf.ID_FLOOR_FILE.rsplit("/", 1)
-        for r in roots:
-            mf.write_atomic(r / folder, name, floor, tag=0)
-    report = {"from_nodes": reached, "dirs": sum(1 for m, _ in best.values() if m.kind == "dir"),
-              "listing_errors": errors}
-    if errors:  # on a cluster's first start the buddies may simply not be up yet
-        log.warning("restore from buddies: %d problems (copies not restored are kept on the buddies for a "
-                    "later mount), the first: %s", len(errors), errors[0])
-    log.info("restoring %d files (%.1f MB) and %d directories of node %d from node(s) %s", len(files),
-             sum(m.size for m in files) / 1e6, report["dirs"], src, reached)
-    return report, rs
+def needed(roots: list[Path]) -> bool:
+    """Whether this mount restores from the buddies: empty devices, a restore whose set-up an earlier mount
+    did not finish, or files whose bytes it did not all bring back."""
+    return fresh(roots) or any((r / BEGUN_FILE).exists() for r in roots) or bool(marked(roots))
 
 
-def resume(src: int, roots: list[Path], clients: list[ReplicaClient], ids: set[int]
-           ) -> tuple[dict[str, Any], Restoring]:
-    """Blocking: the files *ids* whose restore an earlier mount left unfinished, fetched again from the
-    buddies' copies of the version their manifests name (a file none can give reads as EIO)."""
+def plan(src: int, roots: list[Path], clients: list[ReplicaClient]) -> tuple[dict[str, Any], Restoring]:
+    """Blocking, before recovery (see :func:`needed`): on empty devices (or after a set-up cut short) every
+    committed copy of node *src* the buddies hold laid out, marked and published; the files an earlier mount
+    left marked taken up again from the buddies' copies of the version their manifests name (one none can
+    give reads as EIO). Their bytes are fetched by the returned :class:`Restoring` (not started)."""
     best, reached, errors = _listing(src, clients)
     rs = Restoring(src, roots)
-    for nid in sorted(ids):
+    report: dict[str, Any] = {"from_nodes": reached, "dirs": 0, "listing_errors": errors, "resumed": False}
+    if fresh(roots) or any((r / BEGUN_FILE).exists() for r in roots):
+        report["dirs"] = _begin(rs, best, roots)
+        if len(reached) < len(clients):  # a buddy may hold copies of ids this node no longer knows: never reuse
+            floor = b"%d\n" % (time.time_ns() >> 16)
+            folder, name = mf.ID_FLOOR_FILE.rsplit("/", 1)
+            for r in roots:
+                mf.write_atomic(r / folder, name, floor, tag=0)
+        for r in roots:  # the set-up is done: from now on the marks say what is left
+            mf.unlink_quiet(r / BEGUN_FILE)
+            mf.fsync_dir(r / BEGUN_FILE.rsplit("/", 1)[0])
+    left = marked(roots) - set(rs.ids())
+    for nid in sorted(left):
+        report["resumed"] = True
         local = _local_manifest(roots, nid)
-        if local is None:  # removed before the mount ended
+        if local is None:  # unlinked before the restore of it ended
             _clear_mark(roots, nid)
             continue
         copy = best.get(nid)
@@ -443,9 +436,34 @@ def resume(src: int, roots: list[Path], clients: list[ReplicaClient], ids: set[i
             rs.add(local, copy[1])
         else:
             rs.add(local, None, "no buddy reached holds this version" if reached else "no buddy reached")
-    report = {"from_nodes": reached, "dirs": 0, "listing_errors": errors, "resumed": True}
-    log.warning("resuming the restore of %d files of node %d left unfinished by an earlier mount", len(ids), src)
+    if errors:  # on a cluster's first start the buddies may simply not be up yet
+        log.warning("restore from buddies: %d problems (copies not restored are kept on the buddies for a "
+                    "later mount), the first: %s", len(errors), errors[0])
+    log.info("restoring %d files (%.1f MB) and %d directories of node %d from node(s) %s%s", rs.files_total,
+             rs.bytes_total / 1e6, report["dirs"], src, reached,
+             f"; {len(left)} left unfinished by an earlier mount" if left else "")
     return report, rs
+
+
+def _begin(rs: Restoring, best: dict[int, tuple[mf.Manifest, ReplicaClient]], roots: list[Path]) -> int:
+    """Lay out, mark and publish every copy in *best* (the set-up is marked begun first, so that a crash
+    within it is taken up by the next mount rather than leaving published files it does not know of);
+    returns the directories published."""
+    uuids = [device_identity(r) for r in roots]
+    for r in roots:
+        mf.write_atomic(r / BEGUN_FILE.rsplit("/", 1)[0], BEGUN_FILE.rsplit("/", 1)[1], b"", tag=0)
+    files = sorted((m for m, _ in best.values() if m.kind == "file"), key=lambda m: m.id)
+    dirs = [m for m, _ in best.values() if m.kind == "dir"]
+    _set_marks(roots, [m.id for m in files])  # before any of their manifests
+    for m in files:
+        m.devices, m.start = list(uuids), m.start % len(roots)
+        _lay_out(m, roots)
+    for m in dirs + files:
+        for r in roots:
+            mf.publish(r, m)
+    for m in files:
+        rs.add(m, best[m.id][1])
+    return len(dirs)
 
 
 def _local_manifest(roots: list[Path], nid: int) -> mf.Manifest | None:
@@ -459,4 +477,4 @@ def _local_manifest(roots: list[Path], nid: int) -> mf.Manifest | None:
     return max(found, key=lambda m: m.seq) if found else None
 
 
-__all__ = ["RESTORING_DIR", "Restoring", "begin", "fresh", "marked", "resume"]
+__all__ = ["BEGUN_FILE", "RESTORING_DIR", "Restoring", "fresh", "marked", "needed", "plan"]

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import trio
 from conftest import device_dirs, wait_for
-from test_ckpt_replicas import KiB, Buddy, Node, _payload, _read, _wipe, _write, buddy, cluster  # noqa: F401
+from test_ckpt_replicas import KiB, Buddy, Node, _payload, _read, _read_all, _wipe, _write, buddy, cluster  # noqa: F401
 
+from fsd.ckpt import manifest as mf
 from fsd.ckpt import restore
 from fsd.ckpt.manifest import ROOT_ID
 from fsd.ckpt.namespace import Namespace
@@ -156,3 +157,42 @@ def test_a_restore_cut_short_is_resumed_by_the_next_mount_and_never_reads_as_zer
     assert node.run(lambda ns: _read(ns, "model.pt")) == data
     assert node.reps.restored is not None and node.reps.restored["resumed"] and node.reps.restored["restored"] == 1
     assert not marked(node.devices)
+
+
+class _Crash(BaseException):
+    """The daemon dies here."""
+
+
+def test_a_restore_whose_set_up_was_cut_short_is_set_up_again_by_the_next_mount(
+        tmp_path: Path, cluster: Callable[..., ClusterConfig], buddy: Buddy) -> None:
+    """A crash while the buddies' copies are being published (some manifests written, not all) leaves the
+    set-up marked begun: the next mount sets it up again, and every file comes back."""
+    buddy.start()
+    devs = device_dirs(tmp_path, 2)
+    files = {"a": _payload(300 * KiB, 1), "b": _payload(100 * KiB + 3, 1), "c": b"c"}
+    node = Node(cluster(0, fsync="replicated", replica_timeout=60.0), devs)
+
+    async def write_all(ns: Namespace) -> None:
+        for p, d in files.items():
+            await _write(ns, p, d)
+
+    node.run(write_all)
+    _wipe(devs)
+    published: list[int] = []
+    real = mf.publish
+
+    def dies(root: Path, m: mf.Manifest, **kw: Any) -> None:
+        if len(published) == 2:
+            raise _Crash
+        published.append(m.id)
+        real(root, m, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mf, "publish", dies)
+        with pytest.raises(_Crash):
+            CheckpointReplicas(node.cfg, devs).before_recovery()
+    assert not fresh(devs) and any((d / restore.BEGUN_FILE).exists() for d in devs)
+    got = node.run(lambda ns: _read_all(ns, files))
+    assert got == files
+    assert node.reps.restored is not None and node.reps.restored["restored"] == 3
+    assert not any((d / restore.BEGUN_FILE).exists() for d in devs) and not marked(devs)
