@@ -413,22 +413,28 @@ def plan(src: int, roots: list[Path], clients: list[ReplicaClient]) -> tuple[dic
     best, reached, errors = _listing(src, clients)
     rs = Restoring(src, roots)
     report: dict[str, Any] = {"from_nodes": reached, "dirs": 0, "listing_errors": errors, "resumed": False}
-    if fresh(roots) or any((r / BEGUN_FILE).exists() for r in roots):
+    again = any((r / BEGUN_FILE).exists() for r in roots)
+    if fresh(roots) or again:
         report["dirs"] = _begin(rs, best, roots)
         if len(reached) < len(clients):  # a buddy may hold copies of ids this node no longer knows: never reuse
             floor = b"%d\n" % (time.time_ns() >> 16)
             folder, name = mf.ID_FLOOR_FILE.rsplit("/", 1)
             for r in roots:
                 mf.write_atomic(r / folder, name, floor, tag=0)
-        for r in roots:  # the set-up is done: from now on the marks say what is left
-            mf.unlink_quiet(r / BEGUN_FILE)
-            mf.fsync_dir(r / BEGUN_FILE.rsplit("/", 1)[0])
+        if not again or len(reached) == len(clients):
+            # the set-up is done (a first one that reached no buddy goes on empty, its copies kept there); a set-up
+            # cut short is done again until every buddy answered: its files not published yet are theirs
+            for r in roots:
+                mf.unlink_quiet(r / BEGUN_FILE)
+                mf.fsync_dir(r / BEGUN_FILE.rsplit("/", 1)[0])
+    begun = any((r / BEGUN_FILE).exists() for r in roots)
     left = marked(roots) - set(rs.ids())
     for nid in sorted(left):
         report["resumed"] = True
         local = _local_manifest(roots, nid)
-        if local is None:  # unlinked before the restore of it ended
-            _clear_mark(roots, nid)
+        if local is None:  # unlinked before the restore of it ended, or not published yet by a set-up to redo
+            if not begun:
+                _clear_mark(roots, nid)
             continue
         copy = best.get(nid)
         if copy is not None and copy[0].seq == local.seq and copy[0].size == local.size:
