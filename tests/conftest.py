@@ -75,7 +75,9 @@ class Mount:
         deadline = time.monotonic() + 30
         while not is_fsd_mount(mountpoint):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"fsd mount exited {self.proc.returncode}: {self.log_text()}")
+                text = self.log_text()
+                self._logf.close()  # the caller gets no Mount to close
+                raise RuntimeError(f"fsd mount exited {self.proc.returncode}: {text}")
             if time.monotonic() > deadline:
                 self.close()
                 raise RuntimeError(f"mount not ready after 30 s: {self.log_text()}")
