@@ -43,5 +43,5 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"not a size: {text!r} (use e.g. 512M, 16G)") from None
 
 
-__all__ = ["Built", "FsdError", "JobListing", "JobPlan", "PlanError", "first_use_order", "job_demand", "name_os_thread", "parse_size",
-           "start_thread"]
+__all__ = ["Built", "FsdError", "JobListing", "JobPlan", "PlanError", "first_use_order", "job_demand",
+           "name_os_thread", "parse_size", "start_thread"]

@@ -22,7 +22,7 @@ One TOML file (``fsd mount --cluster FILE``) or the ``[data.cluster]`` table of
     replicas = 1                  # buddy nodes that keep a copy of each checkpoint file (0: none, the default)
     fsync = "replicated"          # "local" (default): fsync = durable here; "replicated": and on the buddies
     replica_timeout = 30.0        # seconds a "replicated" fsync waits for its buddies before failing with EIO
-    replica_room = "200G"         # most device bytes this node keeps for other nodes' copies (default: half its devices)
+    replica_room = "200G"         # most device bytes kept for other nodes' copies (default: half the devices)
     ckpt_port_offset = 1          # a checkpoint daemon listens on its node's port + this
 
 Inside a Slurm job, ``nodes = "slurm"`` with ``port = 7070`` derives the list from

@@ -94,7 +94,8 @@ def test_a_restored_file_is_served_while_its_other_ranges_are_on_the_way(
     after = node.reps.restored
     assert after is not None and after["restored"] == 1 and after["bytes"] == len(data) and not after["errors"]
     assert not marked(node.devices)
-    assert "restore from node(s) [1] done: 1 of 1 files whole" in "\n".join(replica_lines({"replicas": node.reps.status()}))
+    lines = "\n".join(replica_lines({"replicas": node.reps.status()}))
+    assert "restore from node(s) [1] done: 1 of 1 files whole" in lines
 
 
 @pytest.mark.usefixtures("small_ranges")
@@ -150,7 +151,8 @@ def test_a_restore_cut_short_is_resumed_by_the_next_mount_and_never_reads_as_zer
 
     err, st = node.run(unreadable)
     assert err == errno.EIO and st["failed"] == 1 and st["errors"], st
-    assert "1 unreadable until a later mount restores them" in "\n".join(replica_lines({"replicas": node.reps.status()}))
+    lines = "\n".join(replica_lines({"replicas": node.reps.status()}))
+    assert "1 unreadable until a later mount restores them" in lines
     assert marked(node.devices)
 
     buddy.start()  # and the one after restores it whole
