@@ -233,7 +233,7 @@ class DatasetCache:
         with self.guard:
             opens = self.opens
             if opens is not None and opens.tr is self.cursor.tracker and file_ids \
-                    and opens.place(file_ids[-1], len(file_ids), self.clock(), rank) is not None:
+                    and opens.place(file_ids[-1], len(file_ids), self.clock(), rank, file_ids) is not None:
                 self.guard.notify_all()
 
     def note_known(self, file_id: int) -> None:
@@ -284,7 +284,8 @@ class DatasetCache:
                     "overflow_drops": self.fetcher.overflow_drops,
                 } | self.kernel.stats(),
                 "page_cache": self.kernel.belief.tier.stats(),
-                "divergence": ({**tr.stats(), "opens_not_placed": self.opens.unplaced if self.opens else 0}
+                "divergence": ({**tr.stats(), "opens_not_placed": self.opens.unplaced if self.opens else 0,
+                                "opens_relocated": self.opens.relocated if self.opens else 0}
                                if tr is not None else {"state": "no_plan"}),
                 "backend": self.fetcher.stats() | {"foreign_reads": cur.foreign_reads},
             }

@@ -17,7 +17,8 @@ group, in order, to the dataset cache, which places the rank by counting them (:
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,45 +39,85 @@ class OpenCounts:
     def __init__(self, tracker: ProgressTracker) -> None:
         self.tr = tracker
         self._at: dict[int, tuple[int, int]] = {}  # rank (front index) -> (where last placed, opens since)
+        self._recent: dict[int, deque[int]] = {}  # rank -> the files it opened last, oldest first
         self._resyncs = tracker.resyncs
         self.unplaced = 0  # counts that put no front (no access of the newest file there)
+        self.relocated = 0  # ... that its last opens placed instead (:meth:`_relocate`)
 
-    def place(self, fid: int, opened: int, now: float, rank: int | None = None) -> int | None:
-        """*rank*'s processes opened *opened* files since the last call, the newest *fid*. Each open is
-        an access, so the rank is that many of its accesses past where it was last placed (or its
-        front); if an access of *fid* lies there (within twice the reorder window and 16) the rank's
-        front is put at it: its position, else None (not synced; opens without a rank on a node of
-        several ranks; the opens then count on to the next call)."""
+    def place(self, fid: int, opened: int, now: float, rank: int | None = None,
+              recent: Sequence[int] = ()) -> int | None:
+        """*rank*'s processes opened *opened* files since the last call, the newest *fid* (*recent*: these
+        files, oldest first, when known). Each open is an access, so the rank is that many of its accesses
+        past where it was last placed (or its front); if an access of *fid* lies there (within twice the
+        reorder window and 16) the rank's front is put at it: its position. If none does, the rank's last
+        opens may still say where it is (:meth:`_relocate`). Else None (not synced; opens without a rank
+        on a node of several ranks; the opens then count on to the next call)."""
         tr = self.tr
         r = tr.dense_rank(rank)
         if r is None and len(tr.fronts) == 1:
             r = 0
         if r is None or tr.state != SYNCED:
             return None
+        if recent:
+            self._recent.setdefault(r, deque(maxlen=tuning.RELOCATE_OPENS)).extend(recent)
         if tr.resyncs != self._resyncs:  # the opens while diverged were not counted: from the fronts again
             self._at.clear()
             self._resyncs = tr.resyncs
         base, before = self._at.get(r, (tr.fronts[r], 0))
         opened += before
-        p = tr.index.positions(fid)
-        if tr.rank_of is not None:
-            p = p[tr.rank_of[p] == r]
+        p = self._own(r, fid)
         # the rank's accesses of the file around *opened* of its accesses past *base* (about that many
         # times the node's ranks positions on: its accesses are spread evenly), counted exactly
         k = int(np.searchsorted(p, base + opened * len(tr.fronts)))
         slack = 2 * tr.window + 16
         near = [(abs(self._ahead(r, base, c) - opened), c) for c in p[max(0, k - 2):k + 2].tolist()]
         near = [x for x in near if x[0] <= slack]
-        if not near:  # counted on from the same place; from the front once that is past the slack
-            self._at[r] = (base, opened)
-            if opened > 4 * slack:
-                del self._at[r]
-            self.unplaced += 1
-            return None
+        if not near:
+            q = self._relocate(r, base, slack)
+            if q is None:  # counted on from the same place; from the front once that is past the slack
+                self._at[r] = (base, opened)
+                if opened > 4 * slack:
+                    del self._at[r]
+                self.unplaced += 1
+                return None
+            self.relocated += 1
+            self._at[r] = (q, 0)
+            tr.put(q, now)
+            return q
         q = min(near)[1]
         self._at[r] = (q, 0)
         tr.put(q, now)
         return q
+
+    def _relocate(self, r: int, base: int, slack: int) -> int | None:
+        """Where rank *r* is by the files it opened last: the first access of the newest, at or after
+        *base*, whose preceding stretch of the rank's stream (as long as those opens, and the slack)
+        holds at least ``RELOCATE_SHARE`` of the others; None if none does (or too few opens are known).
+        A count stops fitting when the opens it counted from were not the rank's (a re-anchoring
+        elsewhere, a lost poll): without this the rank would stay unplaced while the page cache served it."""
+        recent = self._recent.get(r)
+        if recent is None or len(recent) < tuning.RELOCATE_OPENS // 2:
+            return None
+        *earlier, newest = list(recent)
+        others = set(earlier) - {newest}
+        span = (len(earlier) + slack) * len(self.tr.fronts)
+        need = tuning.RELOCATE_SHARE * len(others)
+        for c in self._own(r, newest).tolist():
+            if c < base:
+                continue
+            hits = 0
+            for f in others:
+                p = self._own(r, f)
+                k = int(np.searchsorted(p, c))
+                hits += k > 0 and int(p[k - 1]) >= c - span
+            if hits >= need:
+                return int(c)
+        return None
+
+    def _own(self, r: int, fid: int) -> np.ndarray:
+        """Rank *r*'s accesses of *fid*, ascending."""
+        p = self.tr.index.positions(fid)
+        return p[self.tr.rank_of[p] == r] if self.tr.rank_of is not None else p
 
     def _ahead(self, r: int, base: int, c: int) -> int:
         """Rank *r*'s accesses after position *base* up to *c* (negative: *c* before *base*)."""

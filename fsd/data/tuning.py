@@ -64,6 +64,13 @@ its count of opens. At 50k files/s a reader opens ~1000 files between polls; the
 poll's length costs no precision, only how stale a front is between polls. Each poll costs the loop
 ~1 us per open and ~20 us per rank."""
 
+RELOCATE_OPENS = 32
+"""Files a rank opened last that the open log keeps to find the rank again when its count of opens no
+longer fits (the tracker re-anchored elsewhere, opens were lost): the access of the newest file whose
+preceding stretch of the rank's stream holds at least ``RELOCATE_SHARE`` of the others. Longer is surer
+and costs a search over more files, only when a count fails."""
+RELOCATE_SHARE = 0.75
+
 # --------------------------------------------------------------------------- pusher: the kernel's page cache
 BEACON_EVERY = 16
 """Beacon spacing while the daemon serves the reader (stalls, losses): one FUSE round trip (~30-60 us) per

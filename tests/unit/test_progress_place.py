@@ -99,3 +99,43 @@ def test_ranks_interleaved_in_batches_are_placed_by_their_own_count() -> None:
         assert oc.place(int(fid[q]), chunk, done * 1e-3, rank=2) == q
         assert tr.fronts[2] == q
     assert oc.unplaced == 0 and tr.fronts[0] == tr.fronts[1] == tr.fronts[3] == -1
+
+
+def test_a_count_that_no_longer_fits_is_placed_by_the_files_the_rank_opened_last() -> None:
+    """A rank re-anchored behind where it reads (a resync at the last read that reached the daemon) while
+    the page cache serves it: its count from there never fits again, but the files it opened last lie
+    just before an access of the newest, and that places it."""
+    ids = _one_rank()
+    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16, epoch_bounds=np.arange(EPOCHS + 1) * N)
+    oc = OpenCounts(tr)
+    for q in range(20):
+        tr.observe(int(ids[q]), q * 1e-3, 1 << 16, 0, 4096)
+    at, now = 19, 0.02
+    # 700 opens went uncounted; then polls of 8 opens each: counted from the front, they fit nowhere
+    at += 700
+    placed = None
+    for _ in range(6):
+        now += 0.02
+        chunk = [int(f) for f in ids[at + 1:at + 9]]
+        at += 8
+        placed = oc.place(chunk[-1], len(chunk), now, recent=chunk)
+        if placed is not None:
+            break
+    assert placed == at and tr.front == at and oc.relocated == 1
+    # then counting fits again
+    chunk = [int(f) for f in ids[at + 1:at + 51]]
+    assert oc.place(chunk[-1], 50, now + 0.02, recent=chunk) == at + 50 and oc.relocated == 1
+
+
+def test_files_opened_in_an_order_the_plan_does_not_hold_place_nothing() -> None:
+    ids = _one_rank()
+    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16, epoch_bounds=np.arange(EPOCHS + 1) * N)
+    oc = OpenCounts(tr)
+    for q in range(20):
+        tr.observe(int(ids[q]), q * 1e-3, 1 << 16, 0, 4096)
+    front = tr.front
+    other = np.random.default_rng(77).permutation(N)
+    for k in range(6):
+        chunk = [int(f) for f in other[100 + 8 * k:108 + 8 * k]]
+        assert oc.place(chunk[-1], len(chunk), 1.0 + k, recent=chunk) is None
+    assert oc.relocated == 0 and tr.front == front
