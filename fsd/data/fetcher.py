@@ -253,9 +253,8 @@ class Fetcher:
             # Admit when the reader has consumed the access (in stream order, exactly Belady's
             # sequence of decisions); deciding now, a lead ahead, measured 10 % fewer hits.
             lazy = not f.fill and last is not None and self.staging.room() >= size
-            # A fill fetch (reserved against free room), or one staging has no room for (it came out
-            # larger than its estimate): kept in a tier for its pending access at least, which keys it.
-            tier = None if lazy else self.residency.admit(fid, size, last if last is not None else nu)
+            # a fill fetch was reserved against free room: kept for its pending access at least
+            tier = None if lazy else self.residency.admit(fid, size, last if f.fill and last is not None else nu)
             if tier == RAM:
                 self.residency.keep_in_ram(fid, data, self.cursor.key(fid))
             elif tier == SSD:
