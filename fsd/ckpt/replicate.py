@@ -354,7 +354,6 @@ class Replicator:
                 if b.client.down:
                     return
 
-
     def _commit(self, b: _Buddy, m: Manifest, calls: int, epoch: int, idle: bool) -> None:
         nid, raw = m.id, m.encode()
         if m.kind == "dir":

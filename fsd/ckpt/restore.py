@@ -12,9 +12,9 @@ wait for the whole file.
 Crash safety: a file's mark (``RESTORING_DIR``) is durable before its manifest and removed only once its
 bytes are durable on the devices. A mount that finds marks restores those files again, from the
 buddies' copies of the same version, before anything reads them; one that finds the set-up itself
-cut short (``BEGUN_FILE``: some manifests published, not all) does the set-up again. A file whose copy cannot be had (no
-buddy reached, or none holds that version) reads as EIO and keeps its mark for a later mount: its
-bytes are never served as zeros. A buddy that cannot be reached is named in status and its copies
+cut short (``BEGUN_FILE``: some manifests published, not all) does the set-up again. A file whose copy
+cannot be had (no buddy reached, or none holds that version) reads as EIO and keeps its mark for a
+later mount: its bytes are never served as zeros. A buddy that cannot be reached is named in status and its copies
 are kept (never dropped because this node lacks them).
 """
 
@@ -399,10 +399,15 @@ def _listing(src: int, clients: list[ReplicaClient]) -> tuple[dict[int, tuple[mf
     return best, reached, errors
 
 
+def _begun(roots: list[Path]) -> bool:
+    """A restore's set-up was begun and not finished (``BEGUN_FILE`` on a device)."""
+    return any((r / BEGUN_FILE).exists() for r in roots)
+
+
 def needed(roots: list[Path]) -> bool:
     """Whether this mount restores from the buddies: empty devices, a restore whose set-up an earlier mount
     did not finish, or files whose bytes it did not all bring back."""
-    return fresh(roots) or any((r / BEGUN_FILE).exists() for r in roots) or bool(marked(roots))
+    return fresh(roots) or _begun(roots) or bool(marked(roots))
 
 
 def plan(src: int, roots: list[Path], clients: list[ReplicaClient]) -> tuple[dict[str, Any], Restoring]:
@@ -413,21 +418,20 @@ def plan(src: int, roots: list[Path], clients: list[ReplicaClient]) -> tuple[dic
     best, reached, errors = _listing(src, clients)
     rs = Restoring(src, roots)
     report: dict[str, Any] = {"from_nodes": reached, "dirs": 0, "listing_errors": errors, "resumed": False}
-    again = any((r / BEGUN_FILE).exists() for r in roots)
+    again = _begun(roots)
     if fresh(roots) or again:
         report["dirs"] = _begin(rs, best, roots)
         if len(reached) < len(clients):  # a buddy may hold copies of ids this node no longer knows: never reuse
             floor = b"%d\n" % (time.time_ns() >> 16)
-            folder, name = mf.ID_FLOOR_FILE.rsplit("/", 1)
             for r in roots:
-                mf.write_atomic(r / folder, name, floor, tag=0)
+                mf.write_atomic((r / mf.ID_FLOOR_FILE).parent, (r / mf.ID_FLOOR_FILE).name, floor, tag=0)
         if not again or len(reached) == len(clients):
             # the set-up is done (a first one that reached no buddy goes on empty, its copies kept there); a set-up
             # cut short is done again until every buddy answered: its files not published yet are theirs
             for r in roots:
                 mf.unlink_quiet(r / BEGUN_FILE)
-                mf.fsync_dir(r / BEGUN_FILE.rsplit("/", 1)[0])
-    begun = any((r / BEGUN_FILE).exists() for r in roots)
+                mf.fsync_dir((r / BEGUN_FILE).parent)
+    begun = _begun(roots)
     left = marked(roots) - set(rs.ids())
     for nid in sorted(left):
         report["resumed"] = True
@@ -457,7 +461,7 @@ def _begin(rs: Restoring, best: dict[int, tuple[mf.Manifest, ReplicaClient]], ro
     returns the directories published."""
     uuids = [device_identity(r) for r in roots]
     for r in roots:
-        mf.write_atomic(r / BEGUN_FILE.rsplit("/", 1)[0], BEGUN_FILE.rsplit("/", 1)[1], b"", tag=0)
+        mf.write_atomic((r / BEGUN_FILE).parent, (r / BEGUN_FILE).name, b"", tag=0)
     files = sorted((m for m, _ in best.values() if m.kind == "file"), key=lambda m: m.id)
     dirs = [m for m, _ in best.values() if m.kind == "dir"]
     _set_marks(roots, [m.id for m in files])  # before any of their manifests
