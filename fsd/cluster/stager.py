@@ -47,9 +47,9 @@ class Stager:
         self.full = False  # the store took no more: staging stopped
         self.t0 = time.monotonic()
         self.seconds: float | None = None
-        self._running = threads
+        self._running = max(1, threads)
         self._threads = [start_thread(self._run, i == 0, name=f"fsd-cluster-stage-{i}")
-                         for i in range(max(1, threads))]
+                         for i in range(self._running)]
 
     def _run(self, first: bool) -> None:
         try:
