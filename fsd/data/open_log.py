@@ -59,7 +59,7 @@ class OpenCounts:
         if r is None or tr.state != SYNCED:
             return None
         if recent:
-            self._recent.setdefault(r, deque(maxlen=tuning.RELOCATE_OPENS)).extend(recent)
+            self._recent.setdefault(r, deque(maxlen=tuning.RELOCATE_OPENS)).extend(recent[-tuning.RELOCATE_OPENS:])
         if tr.resyncs != self._resyncs:  # the opens while diverged were not counted: from the fronts again
             self._at.clear()
             self._resyncs = tr.resyncs
@@ -72,7 +72,9 @@ class OpenCounts:
         slack = 2 * tr.window + 16
         near = [(abs(self._ahead(r, base, c) - opened), c) for c in p[max(0, k - 2):k + 2].tolist()]
         near = [x for x in near if x[0] <= slack]
-        if not near:
+        if near:
+            q = min(near)[1]
+        else:
             q = self._relocate(r, base, slack)
             if q is None:  # counted on from the same place; from the front once that is past the slack
                 self._at[r] = (base, opened)
@@ -81,10 +83,6 @@ class OpenCounts:
                 self.unplaced += 1
                 return None
             self.relocated += 1
-            self._at[r] = (q, 0)
-            tr.put(q, now)
-            return q
-        q = min(near)[1]
         self._at[r] = (q, 0)
         tr.put(q, now)
         return q
