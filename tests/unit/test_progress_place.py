@@ -21,6 +21,14 @@ def _one_rank() -> np.ndarray:
     return np.concatenate([np.random.default_rng(3 + e).permutation(N) for e in range(EPOCHS)]).astype(np.int64)
 
 
+def _read_first(ids: np.ndarray, n: int) -> tuple[ProgressTracker, OpenCounts]:
+    """A one-rank tracker over *ids* whose reader's first *n* reads arrived (nothing cached yet)."""
+    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16, epoch_bounds=np.arange(EPOCHS + 1) * N)
+    for q in range(n):
+        tr.observe(int(ids[q]), q * 1e-3, 1 << 16, 0, 4096)
+    return tr, OpenCounts(tr)
+
+
 def test_a_reader_served_by_the_page_cache_is_placed_epoch_after_epoch() -> None:
     ids = _one_rank()
     tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16, epoch_bounds=np.arange(EPOCHS + 1) * N)
@@ -40,17 +48,11 @@ def test_a_reader_served_by_the_page_cache_is_placed_epoch_after_epoch() -> None
 
 def test_a_count_that_does_not_fit_places_nothing_and_the_fronts_take_over_again() -> None:
     ids = _one_rank()
-    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16, epoch_bounds=np.arange(EPOCHS + 1) * N)
-    oc = OpenCounts(tr)
-    for q in range(20):
-        tr.observe(int(ids[q]), q * 1e-3, 1 << 16, 0, 4096)
+    tr, oc = _read_first(ids, 20)
     assert oc.place(int(ids[400]), 100, 1.0) is None  # 100 opens cannot have reached access 400
     assert oc.unplaced == 1 and tr.front < 20
     # after more misses than the slack the base is the front again, and a count from there places
-    tr2 = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16, epoch_bounds=np.arange(EPOCHS + 1) * N)
-    oc2 = OpenCounts(tr2)
-    for q in range(20):
-        tr2.observe(int(ids[q]), q * 1e-3, 1 << 16, 0, 4096)
+    _, oc2 = _read_first(ids, 20)
     assert oc2.place(int(ids[19 + 500]), 200, 1.0) is None  # 300 opens lost from the count
     assert oc2.place(int(ids[19 + 50]), 50, 1.1) == 19 + 50  # counted afresh from the front
 
@@ -106,10 +108,7 @@ def test_a_count_that_no_longer_fits_is_placed_by_the_files_the_rank_opened_last
     the page cache serves it: its count from there never fits again, but the files it opened last lie
     just before an access of the newest, and that places it."""
     ids = _one_rank()
-    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16, epoch_bounds=np.arange(EPOCHS + 1) * N)
-    oc = OpenCounts(tr)
-    for q in range(20):
-        tr.observe(int(ids[q]), q * 1e-3, 1 << 16, 0, 4096)
+    tr, oc = _read_first(ids, 20)
     at, now = 19, 0.02
     # 700 opens went uncounted; then polls of 8 opens each: counted from the front, they fit nowhere
     at += 700
@@ -129,10 +128,7 @@ def test_a_count_that_no_longer_fits_is_placed_by_the_files_the_rank_opened_last
 
 def test_files_opened_in_an_order_the_plan_does_not_hold_place_nothing() -> None:
     ids = _one_rank()
-    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16, epoch_bounds=np.arange(EPOCHS + 1) * N)
-    oc = OpenCounts(tr)
-    for q in range(20):
-        tr.observe(int(ids[q]), q * 1e-3, 1 << 16, 0, 4096)
+    tr, oc = _read_first(ids, 20)
     front = tr.front
     other = np.random.default_rng(77).permutation(N)
     for k in range(6):
