@@ -32,6 +32,7 @@ starting the threads, drives the prefetcher with :meth:`DatasetCache.step`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -197,7 +198,8 @@ class DatasetCache:
         none: :mod:`fsd.data.rank_of_pid`): its bytes if RAM or staging holds the file, answered at once
         without blocking (the FUSE loop calls it and skips the thread hop: a progress beacon's READ is
         one of these); else the call that serves it from the SSD tier, a fetch or the backend, which the
-        caller runs on a worker thread. The reader's progress is noted here, once, either way."""
+        caller runs on a worker thread (:meth:`fsd.data.fetcher.Fetcher.serve`). The reader's progress
+        is noted here, once, either way."""
         t0 = self.clock()
         with self.guard:
             gen = self.catalog.gen(file_id)
@@ -211,14 +213,7 @@ class DatasetCache:
                 out = d[off : off + size]
                 self.kernel.served(file_id, gen, off, len(out))
                 return out
-
-        def rest() -> bytes:
-            data = self.fetcher.serve(file_id, off, size, q, plan_gen, inline, t0)
-            with self.guard:
-                self.kernel.served(file_id, gen, off, len(data))
-            return data
-
-        return rest
+        return functools.partial(self.fetcher.serve, file_id, off, size, q, plan_gen, inline, t0, gen)
 
     def note_lookup(self, file_id: int, rank: int | None = None) -> None:
         """The kernel looked *file_id* up for *rank*: a progress hint, and the moment a failed push can

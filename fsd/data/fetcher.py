@@ -120,77 +120,83 @@ class Fetcher:
         return d
 
     def serve(self, fid: int, off: int, size: int, q: int | None, plan_gen: int, inline: Task | None,
-              t0: float) -> bytes:
+              t0: float, gen: int) -> bytes:
         """Bytes ``[off, off+size)`` of *fid* for a reader (its thread; guard not held): its access
         *q* (None: not planned) of plan generation *plan_gen*, *inline* the fetch of it the reader
-        runs itself (it outran the prefetcher), read since *t0*."""
+        runs itself (it outran the prefetcher), read since *t0* when the file's generation was *gen*.
+
+        Each way answers under the one lock its own bookkeeping takes (:meth:`_answered`): with
+        *inline*, the read takes the lock twice in all, once in :meth:`DatasetCache.begin_read`."""
         planned = q is not None
         waited = False
+        out: list[bytes] = []
+
+        def answer(data: bytes, stalled: bool) -> None:  # guard held
+            out.append(data[off : off + size])
+            self._answered(fid, gen, off, len(out[0]), stalled, t0)
+
         if inline is not None:
-            got = self.run_fetch(inline, may_push=False)
-            if got is not None:  # the reader's own fetch: its bytes, kept or not (staging may be full)
-                self._account_stall(planned, t0)
-                return got[off : off + size]
+            if self.run_fetch(inline, may_push=False, then=lambda d: answer(d, planned)) is not None:
+                return out[0]  # the reader's own fetch: its bytes, kept or not (staging may be full)
             waited = True
         for _ in range(3):
             e = f = None
             claimed: Task | None = None
             with self.guard:
                 d = self.memory_copy(fid)
-                if d is None:
-                    e = self.residency.ssd.get(fid)
-                    f = self.staging.inflight.get(fid) if e is None else None
-                    if f is not None and not f.started:
-                        f.started = True  # queued, not begun: do it here rather than wait in line
-                        claimed, f = f.task, None
+                if d is not None:
+                    answer(d, planned and waited)
+                    return out[0]
+                e = self.residency.ssd.get(fid)
+                f = self.staging.inflight.get(fid) if e is None else None
+                if f is not None and not f.started:
+                    f.started = True  # queued, not begun: do it here rather than wait in line
+                    claimed, f = f.task, None
             if claimed is not None:
-                got = self.run_fetch(claimed, may_push=False)
-                if got is not None:
-                    self._account_stall(planned, t0)
-                    return got[off : off + size]
+                if self.run_fetch(claimed, may_push=False, then=lambda d: answer(d, planned)) is not None:
+                    return out[0]
                 waited = True
                 continue
-            if d is not None:
-                self._account_stall(planned and waited, t0)
-                return d[off : off + size]
             if e is not None:
                 try:
-                    out = SsdTier.pread(e, off, size)
+                    got = SsdTier.pread(e, off, size)
                 except FileNotFoundError:
                     continue  # evicted under us: look again
                 with self.guard:
                     self.residency.ssd.hits += 1
                     self.residency.ram.misses += 1
-                self._account_stall(planned and waited, t0)
-                return out
+                    self._answered(fid, gen, off, len(got), planned and waited, t0)
+                return got
             if f is not None and not waited:
                 f.event.wait(self.FETCH_WAIT_S)
                 waited = True
                 continue
             break
         if q is not None and off == 0 and not waited:
-            data = self.demand_fetch(fid, q, plan_gen)  # planned, not prefetched: kept if Belady says so
-            self._account_stall(True, t0)
-            return data[off : off + size]
-        out = self.backend.pread(fid, off, size)
+            # planned, not prefetched: kept if Belady says so
+            self.demand_fetch(fid, q, plan_gen, then=lambda d: answer(d, True))
+            return out[0]
+        got = self.backend.pread(fid, off, size)
         with self.guard:
             self.residency.ram.misses += 1
             self.residency.ssd.misses += 1
-            self.backend_bytes += len(out)
+            self.backend_bytes += len(got)
             self.backend_reads += 1
             self.demand_reads += 1
-        self._account_stall(planned, t0)
-        return out
+            self._answered(fid, gen, off, len(got), planned, t0)
+        return got
 
-    def _account_stall(self, stalled: bool, t0: float) -> None:
+    def _answered(self, fid: int, gen: int, off: int, n: int, stalled: bool, t0: float) -> None:
+        """A reader got *n* bytes of *fid* at *off* (guard held): the kernel now caches them; a planned
+        read that waited for its bytes counts as a stall."""
+        self.kernel.served(fid, gen, off, n)
         if not stalled:
             return
         now = self.clock()
-        with self.guard:
-            self.stall_s += now - t0
-            tr = self.cursor.tracker
-            if tr is not None and tr.state == SYNCED:
-                self.cursor.lead.stalled(now)
+        self.stall_s += now - t0
+        tr = self.cursor.tracker
+        if tr is not None and tr.state == SYNCED:
+            self.cursor.lead.stalled(now)
 
     # ------------------------------------------------------------------ fetches
     def _fetch_bytes(self, fid: int, est: int, src: WholeFiles | None = None, queued: Sequence[int] = ()) -> bytes:
@@ -210,12 +216,13 @@ class Fetcher:
             parts.append(b)
             off += len(b)
 
-    def run_fetch(self, t: Task, may_push: bool = True, queued: Sequence[int] = ()) -> bytes | None:
+    def run_fetch(self, t: Task, may_push: bool = True, queued: Sequence[int] = (),
+                  then: Callable[[bytes], None] | None = None) -> bytes | None:
         """Fetch, then stage/admit and push (*may_push* False on a reader's thread: see Deadlocks).
 
         Returns the bytes when they are the file's current ones (its generation), kept or not: a
         reader that ran the fetch itself serves them rather than reading the backend again when
-        staging had no room for them."""
+        staging had no room for them; *then* gets them first, under the same hold of the guard."""
         fid = t.fid
         src = self.source
         via_source = src is not None
@@ -270,6 +277,8 @@ class Fetcher:
                 push_pos = last
             if push:
                 push = self.kernel.push_fetched(fid, push_pos)
+            if then is not None:
+                then(data)
             f.event.set()
             self.guard.notify_all()
         if ssd_path is not None:
@@ -298,9 +307,9 @@ class Fetcher:
             else:
                 res.ssd.unreserve(path, len(data))
 
-    def demand_fetch(self, fid: int, q: int, plan_gen: int) -> bytes:
+    def demand_fetch(self, fid: int, q: int, plan_gen: int, then: Callable[[bytes], None] | None = None) -> bytes:
         """Whole-file backend read for access *q* of plan generation *plan_gen* that the prefetcher
-        skipped or has not reached; admitted by Belady."""
+        skipped or has not reached; admitted by Belady. *then* gets the bytes under the guard."""
         cur = self.cursor
         with self.guard:
             gen = self.catalog.gen(fid)
@@ -329,6 +338,8 @@ class Fetcher:
                     ssd_path = self.residency.ssd.reserve(fid, len(data))
                     if ssd_path is not None:
                         self.staging.writing[fid] = data
+            if then is not None:
+                then(data)
         if ssd_path is not None:
             self.write_ssd(fid, ssd_path, data, gen)
         return data
