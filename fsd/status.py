@@ -83,6 +83,11 @@ def cluster_lines(doc: dict[str, Any]) -> list[str]:
         out.append(f"cluster staging: {stg.get('done')} of {stg.get('files')} owned files read ahead "
                    f"({src.get('staged_files', 0)} from the PFS), {stg.get('seconds')} s"
                    + (", the store is full" if stg.get("store_full") else ""))
+    ls = cl.get("listing") or {}
+    if ls.get("files") is not None:
+        out.append(f"cluster listing: {ls.get('stat_here')} of {ls.get('files')} sizes stat-ed here, "
+                   f"{ls.get('from_peers')} from {ls.get('peers_answered')} peers"
+                   + (f" (nodes {ls.get('peers_stat_here')} did not answer)" if ls.get("peers_stat_here") else ""))
     for p in cl.get("peers") or []:
         lat = p.get("latency_ewma_s")
         out.append(f"  peer {p.get('node')} {p.get('address')}: {p.get('state')}; fetched {p.get('fetched_samples')} "

@@ -9,7 +9,8 @@ optional Prometheus exporter, the owned-file store and, for each plan the cluste
   loader that only some of the node's ranks read (who reads it elsewhere is unknown) - is refused
   for sharing: the node reads the PFS alone with its normal tiers, and says why (status, ``.fsd/error``);
 - otherwise the owner map is computed from the job's global reads (every loader: train and
-  validation alike) and the listing (names and sizes),
+  validation alike) and the listing (names, and sizes that each node stats a slice of:
+  :mod:`.listing`),
   its fingerprint is what peers must match (a peer with another plan is neither served nor
   asked: never wrong bytes), and the cache's RAM tier is handed to the owned-file store.
 
@@ -23,10 +24,9 @@ import threading
 import time
 from typing import Any, Protocol
 
-import numpy as np
-
 from .compat import Built, PlanError
 from .config import ClusterConfig, ClusterConfigError, check_node_ranks, join_address, split_address
+from .listing import SharedListing
 from .metrics import MetricsServer
 from .ownership import ClusterPlan
 from .source import ClusterSource, SourceCounters
@@ -57,7 +57,8 @@ class ClusterMember:
         self.cfg = cfg
         self.capacity = cfg.capacities[cfg.index] if cfg.capacities else int(tier_bytes)
         self.capacities = cfg.capacities or (self.capacity,) * cfg.size
-        self.node = ClusterNode(cfg, self.serve, ready=self.ready)
+        self.listing = SharedListing(cfg.index, cfg.size)
+        self.node = ClusterNode(cfg, self.serve, ready=self.ready, sizes_of=self.listing.serve)
         self.counters = SourceCounters()
         self.recent = RecentBuffer(min(RECENT_BYTES, self.capacity // 32))
         self.store = OwnedStore(self.capacity)
@@ -130,8 +131,10 @@ class ClusterMember:
             layout = check_node_ranks(self.cfg, job.num_replicas, job.ranks)
         except ClusterConfigError as e:
             return str(e), None
+        clients = self.node.peers.clients
         try:
-            sizes = np.array([cache.backend.size(i) for i in range(len(paths))], dtype=np.int64)
+            sizes = self.listing.sizes(paths, cache.backend.size, lambda k, d, w: clients[k].sizes(d, w),
+                                       sorted(clients))
         except OSError as e:
             return f"cannot stat the dataset's files: {e}", None
         return "", ClusterPlan(job, built.listing, layout, sizes, tuple(self.capacities), built.indices)
@@ -175,6 +178,7 @@ class ClusterMember:
             "nodes": list(self.cfg.nodes), "listen": self.cfg.listen, "metrics": self.metrics_address,
             "sharing": self.sharing, "not_sharing_because": self.reason or None,
             "source": c, "store": src.status() if src is not None else None, "owners": self.owner_summary,
+            "listing": self.listing.status(),
             "bytes": {"pfs": c["pfs_bytes"] + (cache.pfs_bytes() if cache is not None else 0),
                       "peers": c["peer_bytes"], "local_store": c["local_bytes"],
                       "served_to_peers": s["totals"]["served_bytes"]},

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66sd/cluster/peer.proto\x12\x0e\x66sd.cluster.v1\"L\n\x0c\x46\x65tchRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\r\x12\x0b\n\x03ids\x18\x03 \x03(\x04\x12\x0c\n\x04\x64own\x18\x04 \x03(\r\"6\n\x0bSampleBatch\x12\'\n\x07samples\x18\x01 \x03(\x0b\x32\x16.fsd.cluster.v1.Sample\"A\n\x06Sample\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0f\n\x07missing\x18\x02 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04xxh3\x18\x04 \x01(\x06\"1\n\x0cHelloRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\r\"B\n\nHelloReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\r\x12\x11\n\tsame_plan\x18\x03 \x01(\x08\"Q\n\nReplicaPut\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04xxh3\x18\x05 \x01(\x06\"V\n\x0fReplicaTruncate\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\r\n\x05reset\x18\x04 \x01(\x08\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"m\n\rReplicaCommit\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\x04\x12\x10\n\x08manifest\x18\x03 \x01(\x0c\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\r\n\x05\x63\x61lls\x18\x05 \x01(\x04\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\"8\n\x0bReplicaDrop\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\x04\x12\x10\n\x08\x64\x61ta_seq\x18\x03 \x01(\x04\"0\n\nReplicaAck\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\r\n\x05stale\x18\x02 \x01(\x08\"!\n\x12ReplicaListRequest\x12\x0b\n\x03src\x18\x01 \x01(\r\"8\n\x0eReplicaListing\x12\x11\n\tmanifests\x18\x01 \x03(\x0c\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"F\n\x0bReplicaRead\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\":\n\x0cReplicaPiece\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04xxh3\x18\x03 \x01(\x06\x32\x8f\x01\n\x04Peer\x12\x44\n\x05\x46\x65tch\x12\x1c.fsd.cluster.v1.FetchRequest\x1a\x1b.fsd.cluster.v1.SampleBatch0\x01\x12\x41\n\x05Hello\x12\x1c.fsd.cluster.v1.HelloRequest\x1a\x1a.fsd.cluster.v1.HelloReply2\xa8\x03\n\x07Replica\x12=\n\x03Put\x12\x1a.fsd.cluster.v1.ReplicaPut\x1a\x1a.fsd.cluster.v1.ReplicaAck\x12G\n\x08Truncate\x12\x1f.fsd.cluster.v1.ReplicaTruncate\x1a\x1a.fsd.cluster.v1.ReplicaAck\x12\x43\n\x06\x43ommit\x12\x1d.fsd.cluster.v1.ReplicaCommit\x1a\x1a.fsd.cluster.v1.ReplicaAck\x12?\n\x04\x44rop\x12\x1b.fsd.cluster.v1.ReplicaDrop\x1a\x1a.fsd.cluster.v1.ReplicaAck\x12J\n\x04List\x12\".fsd.cluster.v1.ReplicaListRequest\x1a\x1e.fsd.cluster.v1.ReplicaListing\x12\x43\n\x04Read\x12\x1b.fsd.cluster.v1.ReplicaRead\x1a\x1c.fsd.cluster.v1.ReplicaPiece0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66sd/cluster/peer.proto\x12\x0e\x66sd.cluster.v1\"L\n\x0c\x46\x65tchRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\r\x12\x0b\n\x03ids\x18\x03 \x03(\x04\x12\x0c\n\x04\x64own\x18\x04 \x03(\r\"6\n\x0bSampleBatch\x12\'\n\x07samples\x18\x01 \x03(\x0b\x32\x16.fsd.cluster.v1.Sample\"A\n\x06Sample\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0f\n\x07missing\x18\x02 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04xxh3\x18\x04 \x01(\x06\"-\n\x0cSizesRequest\x12\x0f\n\x07listing\x18\x01 \x01(\x0c\x12\x0c\n\x04node\x18\x02 \x01(\r\"*\n\nSizesReply\x12\r\n\x05\x66irst\x18\x01 \x01(\x04\x12\r\n\x05sizes\x18\x02 \x01(\x0c\"1\n\x0cHelloRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\r\"B\n\nHelloReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\r\x12\x11\n\tsame_plan\x18\x03 \x01(\x08\"Q\n\nReplicaPut\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04xxh3\x18\x05 \x01(\x06\"V\n\x0fReplicaTruncate\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\r\n\x05reset\x18\x04 \x01(\x08\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"m\n\rReplicaCommit\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\x04\x12\x10\n\x08manifest\x18\x03 \x01(\x0c\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\r\n\x05\x63\x61lls\x18\x05 \x01(\x04\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\"8\n\x0bReplicaDrop\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\x04\x12\x10\n\x08\x64\x61ta_seq\x18\x03 \x01(\x04\"0\n\nReplicaAck\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\r\n\x05stale\x18\x02 \x01(\x08\"!\n\x12ReplicaListRequest\x12\x0b\n\x03src\x18\x01 \x01(\r\"8\n\x0eReplicaListing\x12\x11\n\tmanifests\x18\x01 \x03(\x0c\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"F\n\x0bReplicaRead\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\":\n\x0cReplicaPiece\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04xxh3\x18\x03 \x01(\x06\x32\xd2\x01\n\x04Peer\x12\x44\n\x05\x46\x65tch\x12\x1c.fsd.cluster.v1.FetchRequest\x1a\x1b.fsd.cluster.v1.SampleBatch0\x01\x12\x41\n\x05Hello\x12\x1c.fsd.cluster.v1.HelloRequest\x1a\x1a.fsd.cluster.v1.HelloReply\x12\x41\n\x05Sizes\x12\x1c.fsd.cluster.v1.SizesRequest\x1a\x1a.fsd.cluster.v1.SizesReply2\xa8\x03\n\x07Replica\x12=\n\x03Put\x12\x1a.fsd.cluster.v1.ReplicaPut\x1a\x1a.fsd.cluster.v1.ReplicaAck\x12G\n\x08Truncate\x12\x1f.fsd.cluster.v1.ReplicaTruncate\x1a\x1a.fsd.cluster.v1.ReplicaAck\x12\x43\n\x06\x43ommit\x12\x1d.fsd.cluster.v1.ReplicaCommit\x1a\x1a.fsd.cluster.v1.ReplicaAck\x12?\n\x04\x44rop\x12\x1b.fsd.cluster.v1.ReplicaDrop\x1a\x1a.fsd.cluster.v1.ReplicaAck\x12J\n\x04List\x12\".fsd.cluster.v1.ReplicaListRequest\x1a\x1e.fsd.cluster.v1.ReplicaListing\x12\x43\n\x04Read\x12\x1b.fsd.cluster.v1.ReplicaRead\x1a\x1c.fsd.cluster.v1.ReplicaPiece0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,30 +37,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLEBATCH']._serialized_end=174
   _globals['_SAMPLE']._serialized_start=176
   _globals['_SAMPLE']._serialized_end=241
-  _globals['_HELLOREQUEST']._serialized_start=243
-  _globals['_HELLOREQUEST']._serialized_end=292
-  _globals['_HELLOREPLY']._serialized_start=294
-  _globals['_HELLOREPLY']._serialized_end=360
-  _globals['_REPLICAPUT']._serialized_start=362
-  _globals['_REPLICAPUT']._serialized_end=443
-  _globals['_REPLICATRUNCATE']._serialized_start=445
-  _globals['_REPLICATRUNCATE']._serialized_end=531
-  _globals['_REPLICACOMMIT']._serialized_start=533
-  _globals['_REPLICACOMMIT']._serialized_end=642
-  _globals['_REPLICADROP']._serialized_start=644
-  _globals['_REPLICADROP']._serialized_end=700
-  _globals['_REPLICAACK']._serialized_start=702
-  _globals['_REPLICAACK']._serialized_end=750
-  _globals['_REPLICALISTREQUEST']._serialized_start=752
-  _globals['_REPLICALISTREQUEST']._serialized_end=785
-  _globals['_REPLICALISTING']._serialized_start=787
-  _globals['_REPLICALISTING']._serialized_end=843
-  _globals['_REPLICAREAD']._serialized_start=845
-  _globals['_REPLICAREAD']._serialized_end=915
-  _globals['_REPLICAPIECE']._serialized_start=917
-  _globals['_REPLICAPIECE']._serialized_end=975
-  _globals['_PEER']._serialized_start=978
-  _globals['_PEER']._serialized_end=1121
-  _globals['_REPLICA']._serialized_start=1124
-  _globals['_REPLICA']._serialized_end=1548
+  _globals['_SIZESREQUEST']._serialized_start=243
+  _globals['_SIZESREQUEST']._serialized_end=288
+  _globals['_SIZESREPLY']._serialized_start=290
+  _globals['_SIZESREPLY']._serialized_end=332
+  _globals['_HELLOREQUEST']._serialized_start=334
+  _globals['_HELLOREQUEST']._serialized_end=383
+  _globals['_HELLOREPLY']._serialized_start=385
+  _globals['_HELLOREPLY']._serialized_end=451
+  _globals['_REPLICAPUT']._serialized_start=453
+  _globals['_REPLICAPUT']._serialized_end=534
+  _globals['_REPLICATRUNCATE']._serialized_start=536
+  _globals['_REPLICATRUNCATE']._serialized_end=622
+  _globals['_REPLICACOMMIT']._serialized_start=624
+  _globals['_REPLICACOMMIT']._serialized_end=733
+  _globals['_REPLICADROP']._serialized_start=735
+  _globals['_REPLICADROP']._serialized_end=791
+  _globals['_REPLICAACK']._serialized_start=793
+  _globals['_REPLICAACK']._serialized_end=841
+  _globals['_REPLICALISTREQUEST']._serialized_start=843
+  _globals['_REPLICALISTREQUEST']._serialized_end=876
+  _globals['_REPLICALISTING']._serialized_start=878
+  _globals['_REPLICALISTING']._serialized_end=934
+  _globals['_REPLICAREAD']._serialized_start=936
+  _globals['_REPLICAREAD']._serialized_end=1006
+  _globals['_REPLICAPIECE']._serialized_start=1008
+  _globals['_REPLICAPIECE']._serialized_end=1066
+  _globals['_PEER']._serialized_start=1069
+  _globals['_PEER']._serialized_end=1279
+  _globals['_REPLICA']._serialized_start=1282
+  _globals['_REPLICA']._serialized_end=1706
 # @@protoc_insertion_point(module_scope)

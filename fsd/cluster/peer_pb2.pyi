@@ -36,6 +36,22 @@ class Sample(_message.Message):
     xxh3: int
     def __init__(self, id: _Optional[int] = ..., missing: _Optional[bool] = ..., data: _Optional[bytes] = ..., xxh3: _Optional[int] = ...) -> None: ...
 
+class SizesRequest(_message.Message):
+    __slots__ = ("listing", "node")
+    LISTING_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    listing: bytes
+    node: int
+    def __init__(self, listing: _Optional[bytes] = ..., node: _Optional[int] = ...) -> None: ...
+
+class SizesReply(_message.Message):
+    __slots__ = ("first", "sizes")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    sizes: bytes
+    def __init__(self, first: _Optional[int] = ..., sizes: _Optional[bytes] = ...) -> None: ...
+
 class HelloRequest(_message.Message):
     __slots__ = ("fingerprint", "node")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]

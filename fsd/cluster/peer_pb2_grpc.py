@@ -44,6 +44,11 @@ class PeerStub:
                 request_serializer=fsd_dot_cluster_dot_peer__pb2.HelloRequest.SerializeToString,
                 response_deserializer=fsd_dot_cluster_dot_peer__pb2.HelloReply.FromString,
                 _registered_method=True)
+        self.Sizes = channel.unary_unary(
+                '/fsd.cluster.v1.Peer/Sizes',
+                request_serializer=fsd_dot_cluster_dot_peer__pb2.SizesRequest.SerializeToString,
+                response_deserializer=fsd_dot_cluster_dot_peer__pb2.SizesReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -64,6 +69,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sizes(self, request, context):
+        """The sizes of the answering node's slice of the dataset listing (fsd/cluster/listing.py): each node
+        stats one slice of the files and gets the others from their nodes, so that no node stats them all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +89,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Hello,
                     request_deserializer=fsd_dot_cluster_dot_peer__pb2.HelloRequest.FromString,
                     response_serializer=fsd_dot_cluster_dot_peer__pb2.HelloReply.SerializeToString,
+            ),
+            'Sizes': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sizes,
+                    request_deserializer=fsd_dot_cluster_dot_peer__pb2.SizesRequest.FromString,
+                    response_serializer=fsd_dot_cluster_dot_peer__pb2.SizesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +150,33 @@ class Peer:
             '/fsd.cluster.v1.Peer/Hello',
             fsd_dot_cluster_dot_peer__pb2.HelloRequest.SerializeToString,
             fsd_dot_cluster_dot_peer__pb2.HelloReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sizes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fsd.cluster.v1.Peer/Sizes',
+            fsd_dot_cluster_dot_peer__pb2.SizesRequest.SerializeToString,
+            fsd_dot_cluster_dot_peer__pb2.SizesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,6 +56,8 @@ BREAKER_FAILS = 3
 """Consecutive failed batches that open a peer's breaker."""
 FETCH_MESSAGE_BYTES = 1 << 20
 """Samples of a fetch that are at hand are sent together, up to this many bytes a message."""
+SizesOfFn = Callable[[bytes, float], "tuple[int, bytes] | None"]
+"""This node's slice of the listing with this digest, waiting at most so long (:mod:`fsd.cluster.listing`)."""
 ReadyFn = Callable[[int, frozenset[int]], bool]
 """Whether ``serve(fid, down)`` would answer at once (from memory, or missing): such samples are sent
 together; before any other, what is at hand goes out."""
@@ -139,6 +141,16 @@ class _Servicer(peer_pb2_grpc.PeerServicer):
         same = s.fingerprint is not None and request.fingerprint == s.fingerprint
         return peer_pb2.HelloReply(fingerprint=s.fingerprint or "", node=s.node, same_plan=same)
 
+    def Sizes(self, request: peer_pb2.SizesRequest, context: grpc.ServicerContext) -> peer_pb2.SizesReply:
+        s = self.s
+        self._authenticate(context, "Sizes", request)
+        left = context.time_remaining()  # answered a little before the asker gives up
+        got = None if s.sizes_of is None else s.sizes_of(request.listing,
+                                                         float("inf") if left is None else max(0.0, left - 0.1))
+        if got is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no slice of that listing here (yet)")
+        return peer_pb2.SizesReply(first=got[0], sizes=got[1])
+
     def Fetch(self, request: peer_pb2.FetchRequest,
               context: grpc.ServicerContext) -> Iterator[peer_pb2.SampleBatch]:
         s = self.s
@@ -194,12 +206,14 @@ class PeerServer:
 
     def __init__(self, listen: str, secret: bytes, node: int, n_files: int, serve: ServeFn, *,
                  fingerprint: str | None = None, peers: Iterable[st.PeerStats] = (), max_batch: int = 4096,
-                 threads: int = 8, tls: TlsFiles | None = None, ready: ReadyFn | None = None) -> None:
+                 threads: int = 8, tls: TlsFiles | None = None, ready: ReadyFn | None = None,
+                 sizes_of: SizesOfFn | None = None) -> None:
         self.listen = listen
         self.node = node
         self.n_files = n_files
         self.serve = serve
         self.ready = ready  # None: one sample a message
+        self.sizes_of = sizes_of  # None: this node shares no listing sizes
         self.fingerprint = fingerprint
         self.max_batch = max_batch
         self.stats = st.ServerStats()
@@ -314,6 +328,18 @@ class PeerClient:
         else:
             self.stats.set_state(st.UP)
         return self.stats.state
+
+    def sizes(self, digest: bytes, wait_s: float) -> tuple[int, bytes] | None:
+        """The peer's slice of the listing *digest* (:mod:`fsd.cluster.listing`), waiting up to *wait_s*
+        for it (and the connect timeout); None when it has none by then. Not a fetch: the peer's state
+        and breaker are left as they are."""
+        req = peer_pb2.SizesRequest(listing=digest, node=self.self_node)
+        try:
+            r = self._stub.Sizes(req, timeout=wait_s + self.connect_timeout, metadata=self._sign("Sizes", req))
+        except grpc.RpcError as e:
+            log.info("cluster: node %d sent no listing slice: %s", self.node, e.code() if hasattr(e, "code") else e)
+            return None
+        return r.first, r.sizes
 
     def fetch(self, ids: Iterable[int], down: frozenset[int] = frozenset()) -> Iterator[tuple[int, bytes | None]]:
         """Every id of *ids* exactly once, in arrival order, as ``(id, bytes)`` or ``(id, None)``.
@@ -499,12 +525,12 @@ class ClusterNode:
     """
 
     def __init__(self, cfg: ClusterConfig, serve: ServeFn, *, n_files: int = 0, fingerprint: str | None = None,
-                 serve_threads: int = 8, ready: ReadyFn | None = None) -> None:
+                 serve_threads: int = 8, ready: ReadyFn | None = None, sizes_of: SizesOfFn | None = None) -> None:
         self.cfg = cfg
         self.peers = Peers(cfg, fingerprint)
         self.server = PeerServer(cfg.listen, cfg.secret, cfg.index, n_files, serve, fingerprint=fingerprint,
                                  peers=self.peers.stats(), max_batch=max(cfg.max_batch, 4096),
-                                 threads=serve_threads, tls=cfg.tls, ready=ready)
+                                 threads=serve_threads, tls=cfg.tls, ready=ready, sizes_of=sizes_of)
 
     def start(self) -> int:
         """Start serving peers; returns the bound port."""

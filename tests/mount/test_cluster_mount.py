@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,30 @@ def test_an_owner_stages_its_share_before_anyone_asks(tmp_path: Path, mounter) -
     out = subprocess.run([sys.executable, "-m", "fsd.cli", "status", str(c.mnts[0])], capture_output=True,
                          text=True, cwd=REPO, timeout=60).stdout
     assert "cluster staging: " in out and "owned files read ahead" in out, out
+
+
+def test_each_node_stats_only_its_slice_of_the_listing(tmp_path: Path, mounter) -> None:
+    """Three nodes' jobs write their plans at once: each node stats the sizes of a third of the files and
+    gets the others from their nodes; all three reach the same owner map."""
+    c = Cluster(tmp_path, mounter, n=3, mounted=(0, 1, 2))
+    ts = [threading.Thread(target=c.mounts[i].control, args=(c.plan(i),)) for i in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    for i in range(3):
+        assert wait_for(lambda i=i: c.status(i)["sharing"])
+    n = len(c.files)
+    for i in range(3):
+        ls = c.status(i)["listing"]
+        mine = (i + 1) * n // 3 - i * n // 3
+        assert (ls["files"], ls["stat_here"], ls["from_peers"], ls["peers_answered"]) == (n, mine, n - mine, 2), ls
+        assert ls["slices_served"] == 2
+    assert len({c.status(i)["fingerprint"] for i in range(3)}) == 1
+    c.read_exact(2, c.order(2, 0), cold=True)
+    out = subprocess.run([sys.executable, "-m", "fsd.cli", "status", str(c.mnts[1])], capture_output=True,
+                         text=True, cwd=REPO, timeout=60).stdout
+    assert f"cluster listing: {n // 3} of {n} sizes stat-ed here" in out, out
 
 
 def test_a_peer_killed_mid_read_falls_back_to_the_pfs(tmp_path: Path, mounter) -> None:
