@@ -104,7 +104,8 @@ class SharedListing:
 
     def sizes(self, paths: Sequence[str], size: SizesFn, ask: AskFn, peers: Sequence[int]) -> np.ndarray:
         """Every file's size: this node's slice stat-ed, each of *peers*' asked of it (at once, while
-        this node stats), a slice not answered in time stat-ed here. OSError when a stat fails."""
+        this node stats; all asks end within ``WAIT_S``, a late one only takes a slice that is ready), a
+        slice not answered in time stat-ed here. OSError when a stat fails."""
         t0 = time.monotonic()
         n = len(paths)
         digest = listing_digest(paths)
@@ -116,7 +117,8 @@ class SharedListing:
         missed: list[int] = []
         with futures.ThreadPoolExecutor(max(1, min(ASK_THREADS, len(peers))), thread_name_prefix="fsd-listing",
                                         initializer=name_os_thread) as ex:
-            asks = {k: ex.submit(ask, k, digest, WAIT_S) for k in peers}
+            deadline = t0 + WAIT_S  # one bound for all asks: a thousand silent peers cost WAIT_S, not 60 x WAIT_S
+            asks = {k: ex.submit(lambda k: ask(k, digest, max(0.0, deadline - time.monotonic())), k) for k in peers}
             out[lo:hi] = stat_range(size, lo, hi)
             with self._cv:
                 if self._digest == digest:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -143,3 +144,24 @@ def test_stat_range_uses_chunks_and_reports_a_failed_stat(files: list[str]) -> N
     assert (got == [os.stat(p).st_size for p in files[10:990]]).all()
     with pytest.raises(FileNotFoundError):
         stat_range(lambda f: os.stat(files[f] + ".gone").st_size, 0, 1000, threads=4)
+
+
+def test_silent_peers_share_one_wait(files: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """More peers than ask threads, none answering: the asks that start once the first have waited out
+    the bound wait no more (a thousand silent peers cost WAIT_S, not WAIT_S per thread's turn)."""
+    monkeypatch.setattr(listing, "WAIT_S", 0.2)
+    waits: list[float] = []
+    lock = threading.Lock()
+
+    def silent(k: int, digest: bytes, wait_s: float) -> None:
+        with lock:
+            waits.append(wait_s)
+        time.sleep(wait_s)  # a peer that answers nothing within the bound
+        return None
+
+    peers = list(range(1, listing.ASK_THREADS + 5))
+    share = SharedListing(0, len(peers) + 1)
+    share.sizes(files, lambda f: os.stat(files[f]).st_size, silent, peers)
+    assert len(waits) == len(peers) and max(waits) <= 0.2
+    assert sorted(waits)[:4] == [0.0] * 4  # the last four began after the bound
+    assert share.status()["stat_here"] == len(files)
