@@ -26,6 +26,7 @@ newer call never passes as the committed content. Blocking throughout; thread-sa
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -56,6 +57,7 @@ class _Copy:
     calls: int = 0  # Puts and Truncates applied since the last commit or reset
     epoch: int = 0  # the source's name of the last reset (0: none since the last commit)
     extent: int = 0  # bytes it is counted for against the room (its furthest end written, or its size)
+    dropped: bool = False  # forgotten (under lock): a call that found it before must take the new one
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -128,11 +130,19 @@ class ReplicaStore:
                             c.committed, c.raw = m, raw
                             self._extend(c, m.size if m.kind == "file" else 0, shrink=True)
 
-    def _copy(self, src: int, nid: int) -> _Copy:
+    @contextlib.contextmanager
+    def _copy(self, src: int, nid: int) -> Iterator[_Copy]:
+        """The copy of *nid* with its lock held: never one a :meth:`drop` forgot meanwhile, whose room
+        and manifest no listing would count or show."""
         if not 0 <= src < 1 << 16 or nid < 2:
             raise ValueError(f"bad source node {src} or node id {nid}")
-        with self._lock:
-            return self._copies.setdefault((src, nid), _Copy())
+        while True:
+            with self._lock:
+                c = self._copies.setdefault((src, nid), _Copy())
+            with c.lock:
+                if not c.dropped:
+                    yield c
+                    return
 
     def _extend(self, c: _Copy, extent: int, *, shrink: bool = False, check: bool = False) -> None:
         """Count *c* for *extent* bytes (at least its present extent unless *shrink*); with *check*, ENOSPC
@@ -169,9 +179,8 @@ class ReplicaStore:
         """Write *data* at *offset* of the copy of *nid*."""
         if offset < 0 or offset + len(data) > MAX_OFFSET:
             raise ValueError(f"offset {offset} + {len(data)} bytes is out of range")
-        c = self._copy(src, nid)
-        self._extend(c, offset + len(data), check=True)
-        with c.lock:
+        with self._copy(src, nid) as c:
+            self._extend(c, offset + len(data), check=True)
             self._invalidate(src, nid, c)
         view = memoryview(data)
         for dev, off, n in self._pieces(nid, offset, offset + len(data)):
@@ -181,7 +190,7 @@ class ReplicaStore:
                 start_writeback(fd, off, n)  # now: a commit's fdatasync finds little left
             finally:
                 os.close(fd)
-        with c.lock:
+        with c.lock:  # a copy dropped meanwhile takes no count: the source starts the file over
             self._invalidate(src, nid, c)  # a commit that slipped in while the bytes were written
             c.calls += 1
 
@@ -191,8 +200,7 @@ class ReplicaStore:
         empty, if there is none: a file sent whole is refused before its first byte)."""
         if not 0 <= size <= MAX_OFFSET:
             raise ValueError(f"bad size {size}")
-        c = self._copy(src, nid)
-        with c.lock:
+        with self._copy(src, nid) as c:
             self._invalidate(src, nid, c)
             self._each_file(src, nid, lambda fd: os.ftruncate(fd, 0 if reset else size))
             if reset:
@@ -210,8 +218,7 @@ class ReplicaStore:
         m = Manifest.decode(raw)
         if m.id != nid:
             raise ValueError(f"manifest of node {m.id} sent as node {nid}")
-        c = self._copy(src, nid)
-        with c.lock:
+        with self._copy(src, nid) as c:
             if (incarnation and incarnation != self.incarnation) or calls != c.calls or epoch != c.epoch:
                 self.refused_commits += 1
                 log.info("replicas: commit of node %d of node %d refused: %d calls applied after reset %d, "
@@ -234,8 +241,7 @@ class ReplicaStore:
 
     def drop(self, src: int, nid: int, data_seq: int) -> None:
         """Forget the copy of *nid*; with *data_seq*, only a committed copy of that content or older."""
-        c = self._copy(src, nid)
-        with c.lock:
+        with self._copy(src, nid) as c:
             if data_seq and (c.committed is None or c.committed.data_seq > data_seq):
                 return  # newer content, or a new version on its way: not what was drained
             self._invalidate(src, nid, c)
@@ -243,8 +249,9 @@ class ReplicaStore:
                 unlink_quiet(self._data(src, nid, d))
             c.calls, c.epoch = 0, 0
             self._extend(c, 0, shrink=True)
-        with self._lock:
-            self._copies.pop((src, nid), None)
+            c.dropped = True
+            with self._lock:
+                self._copies.pop((src, nid), None)
 
     def listing(self, src: int) -> list[bytes]:
         """The sealed manifests of every committed copy of *src*'s nodes."""
@@ -259,9 +266,12 @@ class ReplicaStore:
 
     def read(self, src: int, nid: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
         """Bytes of the committed copy of *nid* in [offset, offset+length), clipped at its size, in pieces."""
-        c = self._copy(src, nid)
-        with c.lock:
-            m = c.committed
+        with self._lock:
+            c = self._copies.get((src, nid))
+        m = None
+        if c is not None:
+            with c.lock:
+                m = c.committed
         if m is None or m.kind != "file":
             raise ValueError(f"no committed copy of file {nid} of node {src}")
         return self._read(src, nid, offset, min(m.size, offset + length))

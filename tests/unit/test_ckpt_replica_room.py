@@ -78,3 +78,46 @@ def test_a_file_the_buddy_has_no_room_for_fails_a_replicated_fsync_and_leaves_ro
     st = buddy.store.status()
     assert st["refused_no_room"] >= 1 and st["held"] <= room, st
     assert {mf.Manifest.decode(r).name for r in buddy.store.listing(0)} == {"small"}
+
+
+@pytest.mark.parametrize("call", ["put", "truncate", "commit"])
+def test_a_call_racing_a_drop_of_its_copy_is_counted_against_the_copy_it_lands_in(tmp_path: Path, call: str) -> None:
+    """A drop that forgets the copy between a call finding it and the call counting its bytes: the call
+    lands in the new copy (its room counted there, a commit's manifest listed), not in the forgotten one."""
+    store = ReplicaStore(device_dirs(tmp_path, 2), room=100 * KiB)
+    store.truncate(0, 7, 0, True, 1)
+    store.put(0, 7, 0, b"a" * (10 * KiB))
+    found = store._copies[(0, 7)]
+    real_lock = found.lock
+
+    class DropFirst:
+        """The found copy's lock: the first time it is taken, the drop runs first (what a racing grpc thread
+        does between the lookup and the lock)."""
+
+        raced = False
+
+        def __enter__(self) -> Any:
+            if not DropFirst.raced:
+                DropFirst.raced = True
+                found.lock = real_lock
+                store.drop(0, 7, 0)
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            return real_lock.__exit__(*exc)
+
+    found.lock = DropFirst()  # type: ignore[assignment]
+    if call == "put":
+        store.put(0, 7, 0, b"b" * (20 * KiB))
+        want = 20 * KiB
+    elif call == "truncate":
+        store.truncate(0, 7, 30 * KiB, True, 2)
+        want = 30 * KiB
+    else:
+        m = mf.Manifest(id=7, seq=1, kind="file", parent=ROOT_ID, name="f", data_seq=1)
+        assert store.commit(0, 7, m.encode(), "", 0)
+        want = 0
+        assert len(store.listing(0)) == 1
+    assert DropFirst.raced and found.dropped
+    live = store._copies[(0, 7)]
+    assert live is not found and store.held == live.extent == want
