@@ -82,16 +82,16 @@ class _Servicer(peer_pb2_grpc.ReplicaServicer):
         """Abort unless the call is signed, new, and from a node this one keeps copies for."""
         s = self.s
         why = s.verifier.check(dict(context.invocation_metadata()), method, _body(method, req))
+        code = grpc.StatusCode.UNAUTHENTICATED  # every reason the verifier gives: unsigned, forged, stale, replayed
         if why is None and req.src not in s.sources:
-            why = f"node {req.src} does not replicate to this node"
+            why, code = f"node {req.src} does not replicate to this node", grpc.StatusCode.PERMISSION_DENIED
         if why is not None:
             with s.lock:
                 s.refused += 1
                 n = s.refused
             if st.log_worthy(n):
                 log.warning("replicas: refused a %s from %s: %s (%d so far)", method, context.peer(), why, n)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED if "signature" in why or "replay" in why or "time" in why
-                          else grpc.StatusCode.PERMISSION_DENIED, why)
+            context.abort(code, why)
 
     def _run(self, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
         try:
