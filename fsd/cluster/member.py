@@ -12,7 +12,8 @@ optional Prometheus exporter, the owned-file store and, for each plan the cluste
   validation alike) and the listing (names, and sizes that each node stats a slice of:
   :mod:`.listing`),
   its fingerprint is what peers must match (a peer with another plan is neither served nor
-  asked: never wrong bytes), and the cache's RAM tier is handed to the owned-file store.
+  asked: never wrong bytes), and the files this node owns and caches for the cluster are kept,
+  pinned, in the cache's own RAM and SSD tiers (:class:`.stores.TierShare`).
 
 Peers are served only files of this dataset, by file id (no path from a request is opened).
 """
@@ -30,19 +31,20 @@ from .listing import SharedListing
 from .metrics import MetricsServer
 from .ownership import ClusterPlan
 from .source import ClusterSource, SourceCounters
-from .stores import RECENT_BYTES, OwnedStore, PfsFiles, RecentBuffer
+from .stores import RECENT_BYTES, OwnedTiers, PfsFiles, RecentBuffer, TierShare
 from .transport import ClusterNode
 
 log = logging.getLogger(__name__)
 
 
-class SharedCache(Protocol):
-    """What the member needs of a :class:`fsd.data.cache.DatasetCache`."""
+class SharedCache(OwnedTiers, Protocol):
+    """What the member needs of a :class:`fsd.data.cache.DatasetCache`: its backend, its fetches and its
+    tiers, where this node keeps its share (:class:`.stores.TierShare`)."""
 
     backend: PfsFiles
 
-    def use_source(self, source: ClusterSource | None) -> int:
-        """Fetch through *source* (None: the PFS); returns the RAM tier's capacity before."""
+    def use_source(self, source: ClusterSource | None) -> None:
+        """Fetch through *source* (None: the PFS)."""
         ...
 
     def pfs_bytes(self) -> int:
@@ -56,12 +58,16 @@ class ClusterMember:
     def __init__(self, cfg: ClusterConfig, *, tier_bytes: int, metrics_port: int | None = None) -> None:
         self.cfg = cfg
         self.capacity = cfg.capacities[cfg.index] if cfg.capacities else int(tier_bytes)
+        if self.capacity > tier_bytes:
+            log.warning("cluster: this node's capacity (%d bytes) is more than its tiers hold (%d: --ram-cache less "
+                        "staging, plus --ssd-size); the rest of its share is read from the PFS when asked",
+                        self.capacity, tier_bytes)
         self.capacities = cfg.capacities or (self.capacity,) * cfg.size
         self.listing = SharedListing(cfg.index, cfg.size)
         self.node = ClusterNode(cfg, self.serve, ready=self.ready, sizes_of=self.listing.serve)
         self.counters = SourceCounters()
         self.recent = RecentBuffer(min(RECENT_BYTES, self.capacity // 32))
-        self.store = OwnedStore(self.capacity)
+        self.store: TierShare | None = None  # in the tiers of the cache of the plan shared last
         self.source: ClusterSource | None = None
         self.cache: SharedCache | None = None
         self.sharing = False
@@ -73,7 +79,6 @@ class ClusterMember:
             host, _ = split_address(cfg.listen, "listen")
             self.metrics_address = join_address(host, metrics_port)
         self.metrics: MetricsServer | None = None
-        self._paths: tuple[str, ...] = ()
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -99,20 +104,20 @@ class ClusterMember:
             except PlanError as e:
                 reason = str(e).removeprefix("plan: ")
         if cp is None or own is None:
+            if self.store is not None and self.store.tiers is cache:  # what it kept for the others is its own again
+                self.store.keep_only(lambda f: False)
             self._share(None, cache, None, reason)
             log.warning("cluster: not sharing this plan (%s); reading from the PFS alone", reason)
             return [f"cluster: this plan is not shared with the other nodes: {reason}; this node reads the "
                     "PFS alone"]
         fp = cp.fingerprint()
-        with self._lock:
-            same_listing = self._paths == tuple(paths)
-            self._paths = tuple(paths)
-        if same_listing:  # the store's file ids still name the same files
+        if self.store is not None and self.store.tiers is cache:  # the same listing: the same file ids
             self.store.keep_only(lambda f: int(own.owner[f]) == self.cfg.index and bool(own.cached[f]))
-        else:
-            self.store.keep_only(lambda f: False)
+        else:  # a new cache (a new listing): the old one's tiers are gone with it
+            self.store = TierShare(cache, self.capacity)
         c = self.cfg
-        source = ClusterSource(c.index, own, cp.sizes, cache.backend, self.node.peers, self.store, self.recent, self.counters,
+        source = ClusterSource(c.index, own, cp.sizes, cache.backend, self.node.peers, self.store, self.recent,
+                               self.counters,
                                fetch_timeout=c.fetch_timeout, connect_timeout=c.connect_timeout,
                                max_batch=c.max_batch, reown=cp.ownership)
         self.owner_summary = own.summary(cp.sizes)

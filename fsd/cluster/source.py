@@ -3,10 +3,10 @@
 One :class:`ClusterSource` per shared plan. The dataset cache's fetch threads call
 :meth:`ClusterSource.read` (whole files) instead of reading the PFS:
 
-- a file this node owns comes from this node's store (:class:`OwnedStore`, the cluster's
-  share of the RAM tier), else it is read from the PFS once (one read per file even when
-  this node's prefetcher and several peers ask at the same time) and kept in the store when
-  the owner map says the cluster caches it;
+- a file this node owns comes from this node's share (:class:`.stores.TierShare`: pinned in
+  the dataset cache's own RAM and SSD tiers), else it is read from the PFS once (one read per
+  file even when this node's prefetcher and several peers ask at the same time) and kept in the
+  share when the owner map says the cluster caches it;
 - a file another node owns is fetched from that node: the requests of all fetch threads
   for one owner are gathered into batches (:class:`_OwnerQueue`, one streaming call per
   batch, in the order the prefetcher asked, i.e. access order), each bounded by the
@@ -38,7 +38,7 @@ from . import stats as st
 from .compat import start_thread
 from .ownership import Ownership
 from .stager import Stager
-from .stores import OwnedStore, PfsFiles, RecentBuffer, Sample, pfs_sample
+from .stores import PfsFiles, RecentBuffer, Sample, TierShare, pfs_sample
 from .transport import PeerClient, Peers
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ class ClusterSource:
     """This node's fetches under one shared plan (see the module docstring)."""
 
     def __init__(self, node_index: int, own: Ownership, sizes: np.ndarray, pfs: PfsFiles, peers: Peers,
-                 store: OwnedStore, recent: RecentBuffer, counters: SourceCounters, *, fetch_timeout: float,
+                 store: TierShare, recent: RecentBuffer, counters: SourceCounters, *, fetch_timeout: float,
                  connect_timeout: float, max_batch: int,
                  reown: Callable[[frozenset[int]], Ownership] | None = None) -> None:
         self.node = node_index
@@ -487,12 +487,12 @@ class ClusterSource:
     def stage_one(self, fid: int) -> bool:
         """Read owned *fid* into the store unless something holds it already (a stager thread); whether
         the store has it now (False: the store is full)."""
-        if self.closed or self.store.get(fid) is not None:
+        if self.closed or self.store.holds(fid):
             return True
         (data, _), local = self._owned(fid, self.own, for_peer=False)
         if not local:
             self.counters.add(staged_files=1, staged_bytes=len(data))
-        return self.store.get(fid) is not None
+        return self.store.holds(fid)
 
     # ------------------------------------------------------------------ a peer's request
     def serve(self, fid: int, down: frozenset[int] = frozenset()) -> Sample | None:
@@ -512,7 +512,7 @@ class ClusterSource:
         own = self._peer_map(fid, down)
         if own is None or int(own.owner[fid]) != self.node:
             return True
-        return self.store.get(fid) is not None or self.recent.get(fid) is not None
+        return self.store.holds(fid) or self.recent.get(fid) is not None
 
     def _peer_map(self, fid: int, down: frozenset[int]) -> Ownership | None:
         """The owner map a peer's request for *fid* is answered by (the peer's down set), or None: it is

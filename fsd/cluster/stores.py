@@ -1,6 +1,7 @@
-"""The cluster's in-memory copies of dataset files on one node: the owned files it caches for the cluster
-(:class:`OwnedStore`) and a small buffer of files just read (:class:`RecentBuffer`), both thread-safe,
-each sample kept with the XXH3-64 its owner computed when it read the PFS (peers check it)."""
+"""The cluster's copies of dataset files on one node: the owned files it caches for the cluster, kept in
+the dataset cache's own RAM and SSD tiers (:class:`TierShare`), and a small buffer of files just read
+(:class:`RecentBuffer`); both thread-safe, each sample with the XXH3-64 its owner computed when it read
+the PFS (peers check it)."""
 
 from __future__ import annotations
 
@@ -34,43 +35,85 @@ def pfs_sample(pfs: PfsFiles, fid: int) -> Sample:
     return data, checksum(data)
 
 
-class OwnedStore:
-    """File id -> sample of the owned files the cluster caches here, at most *capacity* bytes."""
+class OwnedTiers(Protocol):
+    """What the share needs of the dataset cache (:class:`fsd.data.cache.DatasetCache`)."""
 
-    def __init__(self, capacity: int) -> None:
+    def keep_owned(self, fid: int, data: bytes) -> bool:
+        """Keep *data* in a tier, pinned; False: no room."""
+        ...
+
+    def owned_copy(self, fid: int) -> bytes | None:
+        """The bytes a tier holds of *fid*, or None."""
+        ...
+
+    def release_owned(self, fid: int) -> None:
+        """Unpin *fid*: the cache's own plan decides about it again."""
+        ...
+
+
+class TierShare:
+    """The owned files the cluster caches here, at most *capacity* bytes, kept in the dataset cache's RAM and
+    SSD tiers (pinned: this node's own plan never evicts them; one tier design for both modes), with the
+    XXH3-64 each had when read from the PFS."""
+
+    def __init__(self, tiers: OwnedTiers, capacity: int) -> None:
+        self.tiers = tiers
         self.capacity = max(0, int(capacity))
         self.used = 0
-        self._data: dict[int, Sample] = {}
+        self._kept: dict[int, tuple[int, int]] = {}  # fid -> (size, XXH3-64)
         self._lock = threading.Lock()
 
+    def holds(self, fid: int) -> bool:
+        return fid in self._kept
+
     def get(self, fid: int) -> Sample | None:
-        return self._data.get(fid)
+        """The kept sample of *fid* (read from the SSD tier if it is there), or None."""
+        got = self._kept.get(fid)
+        if got is None:
+            return None
+        data = self.tiers.owned_copy(fid)
+        if data is None:  # the tiers lost it (the PFS file changed, the cache closed)
+            self.drop(fid)
+            return None
+        return data, got[1]
 
     def put(self, fid: int, sample: Sample) -> bool:
         """Keep *sample* if it fits (the owner map keeps each node's share within its capacity)."""
+        size = len(sample[0])
         with self._lock:
-            if fid in self._data:
+            if fid in self._kept:
                 return True
-            if self.used + len(sample[0]) > self.capacity:
+            if self.used + size > self.capacity:
                 return False
-            self._data[fid] = sample
-            self.used += len(sample[0])
-            return True
+            self.used += size  # reserved while the tiers take it (an SSD-tier write)
+        ok = self.tiers.keep_owned(fid, sample[0])
+        with self._lock:
+            if ok and fid not in self._kept:
+                self._kept[fid] = (size, sample[1])
+            else:  # refused, or another thread's put of it came first
+                self.used -= size
+        return ok
+
+    def _forget(self, fid: int) -> bool:
+        with self._lock:
+            got = self._kept.pop(fid, None)
+            if got is not None:
+                self.used -= got[0]
+        return got is not None
 
     def drop(self, fid: int) -> None:
-        with self._lock:
-            d = self._data.pop(fid, None)
-            if d is not None:
-                self.used -= len(d[0])
+        if self._forget(fid):
+            self.tiers.release_owned(fid)
 
     def keep_only(self, keep: Callable[[int], bool]) -> None:
         """Drop every file for which *keep* is false (a new owner map)."""
         with self._lock:
-            for fid in [f for f in self._data if not keep(f)]:
-                self.used -= len(self._data.pop(fid)[0])
+            gone = [f for f in self._kept if not keep(f)]
+        for fid in gone:
+            self.drop(fid)
 
     def __len__(self) -> int:
-        return len(self._data)
+        return len(self._kept)
 
 
 class RecentBuffer:
@@ -111,4 +154,4 @@ class RecentBuffer:
 
 
 
-__all__ = ["RECENT_BYTES", "OwnedStore", "PfsFiles", "RecentBuffer", "Sample", "pfs_sample"]
+__all__ = ["RECENT_BYTES", "OwnedTiers", "PfsFiles", "RecentBuffer", "Sample", "TierShare", "pfs_sample"]

@@ -59,7 +59,7 @@ from fsd.data.staging import Fetch, Staging
 from fsd.data.tiers import RamTier, SsdTier
 from fsd.plan.access_stream import NodeStream, beacon_levels
 from fsd.plan.belady import NEVER, FileIndex, next_use
-from fsd.plan.placement import compute_placement, first_uses
+from fsd.plan.placement import RAM, compute_placement, first_uses
 
 log = logging.getLogger(__name__)
 
@@ -165,22 +165,59 @@ class DatasetCache:
             self.scheduler.reset(0)
             self.guard.notify_all()
 
-    def use_source(self, source: WholeFiles | None) -> int:
-        """Fetch whole files through *source* (cluster mode), whose store then stands in for the RAM
-        tier (emptied, capacity 0); None: the backend and the RAM tier again. Returns the RAM tier's
-        capacity before."""
+    def use_source(self, source: WholeFiles | None) -> None:
+        """Fetch whole files through *source* (cluster mode); None: the backend again. The tiers stay
+        as they are: a cluster owner keeps its share in them (:meth:`keep_owned`)."""
         with self.guard:
-            ram = self.residency.ram
-            before = ram.capacity
             self.fetcher.source = source
-            if source is None:
-                ram.capacity = self.ram_bytes - self.staging.capacity
-            else:
-                for fid in list(ram.data):
-                    self.residency.evict(fid)
-                ram.capacity = 0
             self.guard.notify_all()
-        return before
+
+    # ------------------------------------------------------------------ a cluster owner's share
+    def keep_owned(self, fid: int, data: bytes) -> bool:
+        """Keep *data* of *fid* in a tier, RAM first, pinned there: other nodes read it through this one
+        (blocking: an SSD-tier write runs on the caller's thread). False: no tier has room for it."""
+        with self.guard:
+            res = self.residency
+            if self.guard.closed:
+                return False
+            resident = fid in res
+            tier = res.pin(fid, len(data))
+            if tier is None or resident:
+                return tier is not None
+            self.catalog.note_size(fid, len(data))
+            gen = self.catalog.gen(fid)
+            if tier == RAM:
+                res.keep_in_ram(fid, data, NEVER - 1)
+                res.belady.pin(fid)
+                return True
+            path = res.ssd.reserve(fid, len(data))
+            if path is None:
+                return False
+            self.staging.writing[fid] = data
+        return self.fetcher.write_ssd(fid, path, data, gen, pin=True)
+
+    def owned_copy(self, fid: int) -> bytes | None:
+        """The bytes of *fid* if a tier holds it (the RAM tier's, or read from the SSD tier), else None."""
+        with self.guard:
+            res = self.residency
+            d = res.ram.get(fid)
+            if d is not None:
+                return d
+            d = self.staging.writing.get(fid)  # being written to the SSD tier
+            if d is not None:
+                return d
+            e = res.ssd.get(fid)
+        if e is None:
+            return None
+        try:
+            return SsdTier.pread(e, 0, e.size)
+        except FileNotFoundError:  # evicted meanwhile
+            return None
+
+    def release_owned(self, fid: int) -> None:
+        """*fid* is no longer this node's to keep for the others: keyed by this node's own next use again."""
+        with self.guard:
+            self.residency.belady.unpin(fid, self.kernel.next_use(fid) if self.cursor.plan is not None else NEVER - 1)
 
     def pfs_bytes(self) -> int:
         """Bytes this cache read from the backend itself (not through a source)."""

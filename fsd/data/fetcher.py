@@ -260,15 +260,18 @@ class Fetcher:
             # Admit when the reader has consumed the access (in stream order, exactly Belady's
             # sequence of decisions); deciding now, a lead ahead, measured 10 % fewer hits.
             lazy = not f.fill and last is not None and self.staging.room() >= size
-            # a fill fetch was reserved against free room: kept for its pending access at least
-            tier = None if lazy else self.residency.admit(fid, size, last if f.fill and last is not None else nu)
+            # a fill fetch was reserved against free room: kept for its pending access at least; a file
+            # kept meanwhile (a cluster owner's share) is resident already
+            kept = fid in self.residency
+            keep_for = last if f.fill and last is not None else nu
+            tier = None if lazy or kept else self.residency.admit(fid, size, keep_for)
             if tier == RAM:
                 self.residency.keep_in_ram(fid, data, self.cursor.key(fid))
             elif tier == SSD:
                 ssd_path = self.residency.ssd.reserve(fid, size)
                 if ssd_path is not None:
                     self.staging.writing[fid] = data
-            if tier != RAM and (last is not None or ssd_path is not None):
+            if tier != RAM and not kept and (last is not None or ssd_path is not None):
                 # transient (or SSD write in progress): staging holds it until consumed
                 if not self.staging.stage(fid, data) and ssd_path is None:
                     self.overflow_drops += 1
@@ -287,8 +290,9 @@ class Fetcher:
             self.kernel.push(fid, push_pos, data)
         return data
 
-    def write_ssd(self, fid: int, path: str, data: bytes, gen: int) -> None:
-        """Write *fid*'s bytes to its reserved SSD-tier file; commit it if still wanted."""
+    def write_ssd(self, fid: int, path: str, data: bytes, gen: int, pin: bool = False) -> bool:
+        """Write *fid*'s bytes to its reserved SSD-tier file; commit it if still wanted (*pin*: pinned
+        there, :meth:`fsd.data.residency.Residency.pin`). Whether it was."""
         try:
             SsdTier.write(path, data)
             ok = True
@@ -304,8 +308,11 @@ class Fetcher:
                     and fid not in res.ssd:
                 res.ssd.commit(fid, path, len(data))
                 res.belady.set(fid, self.cursor.key(fid))
-            else:
-                res.ssd.unreserve(path, len(data))
+                if pin:
+                    res.belady.pin(fid)
+                return True
+            res.ssd.unreserve(path, len(data))
+            return False
 
     def demand_fetch(self, fid: int, q: int, plan_gen: int, then: Callable[[bytes], None] | None = None) -> bytes:
         """Whole-file backend read for access *q* of plan generation *plan_gen* that the prefetcher

@@ -19,6 +19,9 @@ What is kept (Belady with the known future)
     (accesses served without a backend read / accesses) is what the benchmark
     divides by it.
 
+    A pinned file (:meth:`Residency.pin`: a cluster owner's share, which other nodes read) is
+    evicted by none of this; it is keyed by this node's next use again when unpinned.
+
     Past its last access a file leaves the RAM tier at once but stays on the
     SSD tier, keyed ``NEVER``, until its room is needed (:meth:`Residency.admit`,
     :meth:`Residency.free_room`): no unlinks on the coordinator, and a plan that
@@ -38,7 +41,7 @@ import numpy as np
 
 from fsd.data.tiers import RamTier, SsdTier
 from fsd.plan.belady import NEVER, BeladyIndex
-from fsd.plan.placement import RAM, preference_order
+from fsd.plan.placement import RAM, SSD, preference_order
 
 
 class Residency:
@@ -99,6 +102,19 @@ class Residency:
             return None
         return next(t for t in order if self.tier(t).free() >= size)
 
+    def pin(self, fid: int, size: int) -> int | None:
+        """The tier to keep *fid* in whatever this node's plan says (a cluster owner's share: other nodes
+        read it), RAM first, evicting unpinned files; None: no tier has room. Resident already: pinned
+        where it is."""
+        if fid in self:
+            self.belady.pin(fid)
+            return RAM if fid in self.ram else SSD
+        order = [t for t in (RAM, SSD) if self.tier(t).capacity >= size]
+        if not order or not self.evict_until(lambda: any(self.tier(t).free() >= size for t in order),
+                                             BeladyIndex.PINNED):
+            return None
+        return next(t for t in order if self.tier(t).free() >= size)
+
     def free_room(self, need: int) -> bool:
         """Whether a tier has *need* bytes free, after evicting what the plan uses no more (those
         keyed ``NEVER``, kept on the SSD tier past their last access) if needed."""
@@ -109,6 +125,8 @@ class Residency:
         self.placement = placement
         for fid, _ in self.belady.items():
             k = int(first[fid])
+            if self.belady.pinned(fid):
+                continue
             if k == NEVER:
                 self.evict(fid)
             else:

@@ -76,7 +76,8 @@ class DataMount:
             from fsd.data.staging import Staging
 
             staging = min(Staging.STAGING_MAX, int(self.ram_bytes * Staging.STAGING_FRACTION))
-            member = ClusterMember(self.cluster, tier_bytes=self.ram_bytes - staging, metrics_port=self.metrics_port)
+            tiers = self.ram_bytes - staging + (self.ssd_bytes if self.ssd_dir is not None else 0)
+            member = ClusterMember(self.cluster, tier_bytes=tiers, metrics_port=self.metrics_port)
             member.start()
             stack.push_async_callback(_in_thread, member.close)  # after the router's cache stopped
         router = ReadRouter(root_fd, ram_bytes=self.ram_bytes, ssd_dir=self.ssd_dir, ssd_bytes=self.ssd_bytes,

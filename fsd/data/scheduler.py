@@ -264,7 +264,7 @@ class Scheduler:
             if k != NEVER and k < cur.head:
                 k = plan.index.first_at_or_after(fid, cur.head)
             if fid in res.belady:
-                if k == NEVER and fid in res.ram:
+                if k == NEVER and fid in res.ram and not res.belady.pinned(fid):
                     res.evict(fid)
                 else:
                     res.belady.set(fid, k)
@@ -275,6 +275,9 @@ class Scheduler:
         """A consumed transient file: keep it after all if Belady says so, else drop it (guard held)."""
         data = self.staging.files[fid]
         size = len(data)
+        if fid in self.residency:  # kept meanwhile (a cluster owner's share): this copy is not needed
+            self.staging.drop(fid)
+            return
         tier = self.residency.admit(fid, size, nu)
         if tier == RAM:
             self.staging.drop(fid)

@@ -78,9 +78,13 @@ class BeladyIndex:
     are skipped on pop. Not thread-safe (the cache's lock protects it).
     """
 
+    PINNED = -1
+    """The key of a pinned file (:meth:`pin`): below every next use, so never the furthest while another is."""
+
     def __init__(self) -> None:
         self._key: dict[int, int] = {}
         self._heap: list[tuple[int, int]] = []
+        self._pinned: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._key)
@@ -93,8 +97,8 @@ class BeladyIndex:
         return self._key[fid]
 
     def set(self, fid: int, key: int) -> None:
-        """Insert or re-key *fid*."""
-        if self._key.get(fid) == key:
+        """Insert or re-key *fid* (a pinned one keeps its pin)."""
+        if self._key.get(fid) == key or fid in self._pinned:
             return
         self._key[fid] = key
         heapq.heappush(self._heap, (-key, fid))
@@ -104,6 +108,22 @@ class BeladyIndex:
     def remove(self, fid: int) -> None:
         """Forget *fid* (no-op if absent)."""
         self._key.pop(fid, None)
+        self._pinned.discard(fid)
+
+    def pin(self, fid: int) -> None:
+        """Keep resident *fid* whatever its next use: it is evicted only when nothing else is left
+        (another node's reads need it: a cluster owner's share)."""
+        self.set(fid, self.PINNED)
+        self._pinned.add(fid)
+
+    def unpin(self, fid: int, key: int) -> None:
+        """*fid* is keyed by its next use *key* again (no-op if absent)."""
+        if fid in self._pinned:
+            self._pinned.discard(fid)
+            self.set(fid, key)
+
+    def pinned(self, fid: int) -> bool:
+        return fid in self._pinned
 
     def furthest(self) -> tuple[int, int] | None:
         """``(fid, key)`` of the resident with the furthest next use, or None."""

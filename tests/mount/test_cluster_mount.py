@@ -55,8 +55,9 @@ class Cluster:
     """*n* nodes' config files (same list, same secret) and the mounts of those *mounted* (more: :meth:`mount`)."""
 
     def __init__(self, tmp: Path, mounter, *, capacity: str = "4M", metrics: bool = False,
-                 mounted: tuple[int, ...] = (0, 1), n: int = 2) -> None:
+                 mounted: tuple[int, ...] = (0, 1), n: int = 2, ssd: bool = True) -> None:
         self.n = n
+        self.ssd = ssd  # False: the RAM tier alone, which the share fills: the node's reads of others' files go to them
         self.tmp = tmp
         self.mounter = mounter
         self.src = tmp / "src"
@@ -81,7 +82,11 @@ class Cluster:
 
     def mount(self, i: int, metrics: bool = False) -> Any:
         """Mount node *i* (again, after its daemon died: :meth:`Mount.close` it first)."""
-        args = ["--data", self.src, "--at", self.mnts[i], "--ram-cache", "256K", "--cluster", self.tmp / f"node{i}.toml"]
+        # the share (capacity 4M) spans both tiers: the RAM tier holds ~10 files, the rest go to the SSD tier
+        args = ["--data", self.src, "--at", self.mnts[i], "--ram-cache", "256K",
+                "--cluster", self.tmp / f"node{i}.toml"]
+        if self.ssd:
+            args += ["--ssd-cache", self.tmp / f"ssd{i}", "--ssd-size", "4M"]
         if metrics:
             args += ["--metrics-port", str(self.metrics_port)]
         self.mounts[i] = self.mounter(args, self.mnts[i])
@@ -171,6 +176,8 @@ def test_an_owner_stages_its_share_before_anyone_asks(tmp_path: Path, mounter) -
         assert wait_for(lambda: staged(i), timeout=60), c.status(i)["store"]
         st = c.status(i)["store"]
         assert st["store_files"] == st["owned_cached_files"] > 0 and not st["staging"]["store_full"], st
+        tiers = c.mounts[i].status()["cache"]["tiers"]  # the share is in the node's own tiers, both of them
+        assert tiers["ram"]["files"] > 0 and tiers["ssd"]["files"] > 0, tiers
     def owned_reads(src: dict) -> int:  # PFS reads of owned files (a hedged or failed peer fetch is a fallback)
         return src["pfs_files"] - src["fallback_files"]
 
@@ -210,7 +217,7 @@ def test_each_node_stats_only_its_slice_of_the_listing(tmp_path: Path, mounter) 
 
 
 def test_a_peer_killed_mid_read_falls_back_to_the_pfs(tmp_path: Path, mounter) -> None:
-    c = Cluster(tmp_path, mounter)
+    c = Cluster(tmp_path, mounter, ssd=False)
     c.mounts[0].control(c.plan(0))
     assert wait_for(lambda: c.status(0)["sharing"])
     c.mounts[1].control(c.plan(1))
@@ -235,7 +242,7 @@ def test_a_dead_nodes_files_are_re_owned_by_the_others_and_a_node_that_comes_bac
     compute the same owner map without it: its files have owners among them, each read from the PFS
     by its new owner and fetched from it by the other, not read by both (a fallback). Node 2 mounted
     again with the same plan is asked Hello after the breaker's reset time and owns its files again."""
-    c = Cluster(tmp_path, mounter, n=3, mounted=(0, 1, 2))
+    c = Cluster(tmp_path, mounter, n=3, mounted=(0, 1, 2), ssd=False)
     for i in range(3):
         c.mounts[i].control(c.plan(i))
     for i in range(3):
@@ -276,7 +283,7 @@ def test_a_node_that_joins_late_is_taken_in(tmp_path: Path, mounter) -> None:
     """Node 2 of three is not mounted while nodes 0 and 1 read: its files are re-owned between them
     once its breaker opens (no fallback after that). When it mounts and writes the same plan, the
     others take it in after the breaker's reset time, and it serves its own files to them."""
-    c = Cluster(tmp_path, mounter, n=3, mounted=(0, 1))
+    c = Cluster(tmp_path, mounter, n=3, mounted=(0, 1), ssd=False)
     for i in (0, 1):
         c.mounts[i].control(c.plan(i))
         assert wait_for(lambda i=i: c.status(i)["sharing"])

@@ -13,8 +13,9 @@ import numpy as np
 from fsd.cluster.config import ClusterConfig
 from fsd.cluster.ownership import Ownership
 from fsd.cluster.source import BATCH_THREADS, ClusterSource, SourceCounters
-from fsd.cluster.stores import OwnedStore, RecentBuffer
+from fsd.cluster.stores import RecentBuffer, TierShare
 from fsd.cluster.transport import PeerServer, Peers
+from fsd.data.cache import DatasetCache, open_backend
 
 SECRET = b"source-test-secret"
 FP = "f" * 64
@@ -36,6 +37,12 @@ class Files:
         return len(self.data[fid])
 
 
+def _tiers(tmp_path: Path) -> DatasetCache:
+    """The tiers of a dataset cache of no files: a share of capacity 0 keeps nothing in them."""
+    (tmp_path / "empty").mkdir(exist_ok=True)
+    return DatasetCache(open_backend(tmp_path / "empty", []), ram_bytes=1 << 20)
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,7 +57,7 @@ def _node0(tmp_path: Path, ports: list[int], owner: np.ndarray, files: Files, fe
                         connect_timeout=1.0, backoff_max=2.0, max_batch=16)
     p = Peers(cfg, FP)
     src = ClusterSource(0, Ownership(owner=owner, cached=np.zeros(len(owner), bool), nodes=len(ports)),
-                        np.array([len(d) for d in files.data]), files, p, OwnedStore(0), RecentBuffer(),
+                        np.array([len(d) for d in files.data]), files, p, TierShare(_tiers(tmp_path), 0), RecentBuffer(),
                         SourceCounters(), fetch_timeout=fetch_timeout, connect_timeout=1.0, max_batch=16,
                         reown=reown)
     return p, src
@@ -75,7 +82,7 @@ def test_reads_through_many_peers_are_exact_on_a_bounded_pool(tmp_path: Path) ->
     p = Peers(cfg, FP)
     before = threading.active_count()
     src = ClusterSource(0, Ownership(owner=owner, cached=np.zeros(n, bool), nodes=peers + 1),
-                        np.array([len(d) for d in files.data]), files, p, OwnedStore(0), RecentBuffer(),
+                        np.array([len(d) for d in files.data]), files, p, TierShare(_tiers(tmp_path), 0), RecentBuffer(),
                         SourceCounters(), fetch_timeout=5.0, connect_timeout=1.0, max_batch=16)
     try:
         # a bounded pool of batch threads and one membership thread, whatever the number of peers
