@@ -197,16 +197,18 @@ class DatasetCache:
         return self.fetcher.write_ssd(fid, path, data, gen, pin=True)
 
     def owned_copy(self, fid: int) -> bytes | None:
-        """The bytes of *fid* if a tier holds it (the RAM tier's, or read from the SSD tier), else None."""
-        with self.guard:
-            res = self.residency
-            d = res.ram.get(fid)
-            if d is not None:
-                return d
+        """The bytes of *fid* if a tier holds it (the RAM tier's, or read from the SSD tier), else None.
+
+        Without the cache's lock (peers' requests on grpc's threads would queue behind the readers for
+        it): each lookup is one ``dict.get`` of immutable bytes or an entry, atomic in CPython, and an
+        SSD-tier file evicted meanwhile reads as gone."""
+        res = self.residency
+        d = res.ram.data.get(fid)
+        if d is None:
             d = self.staging.writing.get(fid)  # being written to the SSD tier
-            if d is not None:
-                return d
-            e = res.ssd.get(fid)
+        if d is not None:
+            return d
+        e = res.ssd.entries.get(fid)
         if e is None:
             return None
         try:
