@@ -45,10 +45,15 @@ AskFn = Callable[[int, bytes, float], "tuple[int, bytes] | None"]
 little-endian int64 sizes)``, or None when it did not answer."""
 
 
+DIGEST_CHUNK = 1 << 16
+"""Names hashed a chunk at a time: 14 M names joined at once would be a ~1 GB string and its bytes."""
+
+
 def listing_digest(paths: Sequence[str]) -> bytes:
-    """The SHA-256 of a listing's names in file-id order (what two nodes compare)."""
-    h = hashlib.sha256(b"fsd listing v1\0")
-    h.update("\0".join(paths).encode("utf-8", "surrogateescape"))
+    """The SHA-256 of a listing's names in file-id order (what two nodes compare), each name ended by NUL."""
+    h = hashlib.sha256(b"fsd listing v2\0")
+    for a in range(0, len(paths), DIGEST_CHUNK):
+        h.update("".join(p + "\0" for p in paths[a:a + DIGEST_CHUNK]).encode("utf-8", "surrogateescape"))
     return h.digest()
 
 

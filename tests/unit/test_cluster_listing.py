@@ -165,3 +165,12 @@ def test_silent_peers_share_one_wait(files: list[str], monkeypatch: pytest.Monke
     assert len(waits) == len(peers) and max(waits) <= 0.2
     assert sorted(waits)[:4] == [0.0] * 4  # the last four began after the bound
     assert share.status()["stat_here"] == len(files)
+
+
+def test_the_digest_names_the_listing_not_how_it_is_hashed(monkeypatch: pytest.MonkeyPatch) -> None:
+    names = [f"c{i % 3}/{i}.jpg" for i in range(1000)]
+    d = listing_digest(names)
+    monkeypatch.setattr(listing, "DIGEST_CHUNK", 7)
+    assert listing_digest(names) == d
+    assert listing_digest(names[:-1] + ["c1/999.jpg"]) != d
+    assert listing_digest(["a", "bc"]) != listing_digest(["ab", "c"])
