@@ -262,7 +262,7 @@ class Fetcher:
             lazy = not f.fill and last is not None and self.staging.room() >= size
             # a fill fetch was reserved against free room: kept for its pending access at least; a file
             # kept meanwhile (a cluster owner's share) is resident already
-            kept = fid in self.residency
+            kept = via_source and fid in self.residency  # only a cluster owner's share is kept so
             keep_for = last if f.fill and last is not None else nu
             tier = None if lazy or kept else self.residency.admit(fid, size, keep_for)
             if tier == RAM:
