@@ -10,6 +10,8 @@ One TOML file (``fsd mount --cluster FILE``) or the ``[data.cluster]`` table of
     listen = "10.1.0.1:7070"      # bind address (default: nodes[node]; never 0.0.0.0 unless written here)
     fetch_timeout = 10.0          # seconds a batch fetch may take before it falls back to the PFS
     connect_timeout = 5.0         # seconds a connection attempt may take
+    listing_wait = 3.0            # seconds a node waits for a peer's slice of the listing's sizes (one applying
+                                  #   the plan later); a slice not there by then is stat-ed by the node itself
     backoff_max = 30.0            # longest wait between reconnect attempts to a peer that is down
     max_batch = 256               # ids per fetch request
     capacity = "16G"              # tier bytes of every node, or a list with one size per node
@@ -52,7 +54,8 @@ log = logging.getLogger(__name__)
 
 MAX_NODES = 1 << 16
 MAX_SECRET_BYTES = 4096
-KEYS = ("node", "nodes", "port", "listen", "secret_file", "fetch_timeout", "connect_timeout", "backoff_max",
+KEYS = ("node", "nodes", "port", "listen", "secret_file", "fetch_timeout", "connect_timeout", "listing_wait",
+        "backoff_max",
         "max_batch", "capacity", "node_ranks", "metrics", "tls_cert", "tls_key", "tls_ca", "replicas", "fsync",
         "replica_timeout", "replica_room", "ckpt_port_offset")
 FSYNC_LEVELS = ("local", "replicated")
@@ -84,6 +87,7 @@ class ClusterConfig:
     listen: str
     fetch_timeout: float = 10.0
     connect_timeout: float = 5.0
+    listing_wait: float = 3.0
     backoff_max: float = 30.0
     max_batch: int = 256
     capacities: tuple[int, ...] | None = None
@@ -110,6 +114,7 @@ class ClusterConfig:
         """JSON-able view for ``.fsd/status`` (no secret)."""
         return {"node": self.index, "nodes": list(self.nodes), "listen": self.listen,
                 "fetch_timeout": self.fetch_timeout, "connect_timeout": self.connect_timeout,
+                "listing_wait": self.listing_wait,
                 "backoff_max": self.backoff_max, "max_batch": self.max_batch,
                 "capacities": list(self.capacities) if self.capacities else None,
                 "node_ranks": [list(r) for r in self.node_ranks] if self.node_ranks else None,
@@ -392,6 +397,7 @@ def parse_cluster(table: Mapping[str, Any], where: str = "cluster config", base:
         index=index_v, nodes=tuple(nodes), secret_file=secret_file, secret=secret, listen=listen,
         fetch_timeout=_number(table, "fetch_timeout", 10.0, where),
         connect_timeout=_number(table, "connect_timeout", 5.0, where),
+        listing_wait=_number(table, "listing_wait", 3.0, where),
         backoff_max=_number(table, "backoff_max", 30.0, where),
         max_batch=max_batch, capacities=_capacities(table.get("capacity"), len(nodes), where),
         node_ranks=node_ranks, metrics=metrics,

@@ -29,10 +29,10 @@ from .compat import name_os_thread
 log = logging.getLogger(__name__)
 
 WAIT_S = 3.0
-"""How long a peer's request waits for this node's slice of its listing (a node applying the plan a
-little later than another), which bounds how long a node waits for a peer's. Longer spares more stats
-when nodes apply their plans further apart; it also holds a plan's application, and one of the
-answering node's server threads, that much longer when a peer has no plan at all."""
+"""The default of the cluster file's ``listing_wait``: how long a node waits for its peers' slices (and
+a peer's request for this node's). Longer spares more stats when nodes apply their plans further
+apart; it also holds a plan's application, and one of the answering node's server threads, that much
+longer when a peer has no plan at all."""
 STAT_THREADS = 16
 """Threads that stat a slice: a PFS answers a stat in 0.1-1 ms, so stats in parallel hide its latency."""
 ASK_THREADS = 16
@@ -85,9 +85,10 @@ def stat_range(size: SizesFn, lo: int, hi: int, threads: int = STAT_THREADS) -> 
 class SharedListing:
     """This node's share of the listing's sizes: the slice it stat-ed, served to peers, and the whole."""
 
-    def __init__(self, node: int, nodes: int) -> None:
+    def __init__(self, node: int, nodes: int, wait_s: float = WAIT_S) -> None:
         self.node = node
         self.nodes = nodes
+        self.wait_s = wait_s
         self._cv = threading.Condition()
         self._digest: bytes | None = None  # the listing being gathered or gathered last
         self._mine: tuple[int, bytes] | None = None  # its slice here, once stat-ed
@@ -97,7 +98,7 @@ class SharedListing:
     def serve(self, digest: bytes, wait_s: float) -> tuple[int, bytes] | None:
         """This node's slice of the listing *digest* (grpc threads), waiting up to *wait_s* for it to be
         stat-ed; None: another listing, or not ready in time."""
-        deadline = time.monotonic() + min(wait_s, WAIT_S)
+        deadline = time.monotonic() + min(wait_s, self.wait_s)
         with self._cv:
             while self._digest != digest or self._mine is None:
                 left = deadline - time.monotonic()
@@ -109,7 +110,7 @@ class SharedListing:
 
     def sizes(self, paths: Sequence[str], size: SizesFn, ask: AskFn, peers: Sequence[int]) -> np.ndarray:
         """Every file's size: this node's slice stat-ed, each of *peers*' asked of it (at once, while
-        this node stats; all asks end within ``WAIT_S``, a late one only takes a slice that is ready), a
+        this node stats; all asks end within ``wait_s``, a late one only takes a slice that is ready), a
         slice not answered in time stat-ed here. OSError when a stat fails."""
         t0 = time.monotonic()
         n = len(paths)
@@ -122,7 +123,7 @@ class SharedListing:
         missed: list[int] = []
         with futures.ThreadPoolExecutor(max(1, min(ASK_THREADS, len(peers))), thread_name_prefix="fsd-listing",
                                         initializer=name_os_thread) as ex:
-            deadline = t0 + WAIT_S  # one bound for all asks: a thousand silent peers cost WAIT_S, not 60 x WAIT_S
+            deadline = t0 + self.wait_s  # one bound for all asks: a thousand silent peers cost it once, not 60 times
             asks = {k: ex.submit(lambda k: ask(k, digest, max(0.0, deadline - time.monotonic())), k) for k in peers}
             out[lo:hi] = stat_range(size, lo, hi)
             with self._cv:
@@ -150,7 +151,7 @@ class SharedListing:
                       "peers_answered": len(answered), "peers_stat_here": sorted(missed),
                       "s": round(time.monotonic() - t0, 3)}
         if missed:
-            log.info("cluster: listing sizes of nodes %s stat-ed here (no answer in %.1f s)", missed, WAIT_S)
+            log.info("cluster: listing sizes of nodes %s stat-ed here (no answer in %.1f s)", missed, self.wait_s)
         return out
 
     @staticmethod

@@ -63,7 +63,7 @@ class ClusterMember:
                         "staging, plus --ssd-size); the rest of its share is read from the PFS when asked",
                         self.capacity, tier_bytes)
         self.capacities = cfg.capacities or (self.capacity,) * cfg.size
-        self.listing = SharedListing(cfg.index, cfg.size)
+        self.listing = SharedListing(cfg.index, cfg.size, cfg.listing_wait)
         self.node = ClusterNode(cfg, self.serve, ready=self.ready, sizes_of=self.listing.serve)
         self.counters = SourceCounters()
         self.recent = RecentBuffer(min(RECENT_BYTES, self.capacity // 32))

@@ -55,7 +55,8 @@ class Cluster:
     """*n* nodes' config files (same list, same secret) and the mounts of those *mounted* (more: :meth:`mount`)."""
 
     def __init__(self, tmp: Path, mounter, *, capacity: str = "4M", metrics: bool = False,
-                 mounted: tuple[int, ...] = (0, 1), n: int = 2, ssd: bool = True) -> None:
+                 mounted: tuple[int, ...] = (0, 1), n: int = 2, ssd: bool = True,
+                 listing_wait: float = 3.0) -> None:
         self.n = n
         self.ssd = ssd  # False: the RAM tier alone, which the share fills: the node's reads of others' files go to them
         self.tmp = tmp
@@ -74,7 +75,7 @@ class Cluster:
         for i in range(n):
             (tmp / f"node{i}.toml").write_text(
                 f"node = {i}\nnodes = {nodes}\nsecret_file = \"{secret}\"\ncapacity = \"{capacity}\"\n"
-                "fetch_timeout = 5.0\nconnect_timeout = 1.0\nbackoff_max = 2.0\n")
+                f"fetch_timeout = 5.0\nconnect_timeout = 1.0\nbackoff_max = 2.0\nlisting_wait = {listing_wait}\n")
             self.mnts[i] = tmp / f"mnt{i}"
             self.mnts[i].mkdir()
         for i in mounted:
@@ -195,7 +196,7 @@ def test_an_owner_stages_its_share_before_anyone_asks(tmp_path: Path, mounter) -
 def test_each_node_stats_only_its_slice_of_the_listing(tmp_path: Path, mounter) -> None:
     """Three nodes' jobs write their plans at once: each node stats the sizes of a third of the files and
     gets the others from their nodes; all three reach the same owner map."""
-    c = Cluster(tmp_path, mounter, n=3, mounted=(0, 1, 2))
+    c = Cluster(tmp_path, mounter, n=3, mounted=(0, 1, 2), listing_wait=120.0)  # however busy the machine
     ts = [threading.Thread(target=c.mounts[i].control, args=(c.plan(i),)) for i in range(3)]
     for t in ts:
         t.start()

@@ -36,10 +36,10 @@ def files(tmp_path: Path) -> list[str]:
 class Node:
     """A node's listing share behind a real peer server, and clients of the other nodes; stats counted."""
 
-    def __init__(self, k: int, nodes: int, lst: list[str]) -> None:
+    def __init__(self, k: int, nodes: int, lst: list[str], wait_s: float = 60.0) -> None:
         self.k = k
         self.paths = lst
-        self.share = SharedListing(k, nodes)
+        self.share = SharedListing(k, nodes, wait_s)  # every node answers: the wait never runs out
         self.server = PeerServer("127.0.0.1:0", SECRET, node=k, n_files=len(lst), serve=lambda f, d: None,
                                  sizes_of=self.share.serve)
         self.port = self.server.start()
@@ -100,9 +100,9 @@ def test_each_node_stats_only_its_slice_and_all_get_every_size(cluster: list[Nod
         assert st["peers_answered"] == 2 and st["peers_stat_here"] == [] and st["slices_served"] == 2
 
 
-def test_a_peer_with_another_listing_costs_its_slice_in_stats_here(cluster: list[Node], files: list[str],
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(listing, "WAIT_S", 0.5)
+def test_a_peer_with_another_listing_costs_its_slice_in_stats_here(cluster: list[Node], files: list[str]) -> None:
+    for n in cluster:
+        n.share.wait_s = 0.5
     cluster[2].paths = files[::-1]  # node 2 lists another dataset: its digest differs
     got = _all_at_once(cluster)
     truth = np.array([os.stat(p).st_size for p in files])
@@ -146,10 +146,9 @@ def test_stat_range_uses_chunks_and_reports_a_failed_stat(files: list[str]) -> N
         stat_range(lambda f: os.stat(files[f] + ".gone").st_size, 0, 1000, threads=4)
 
 
-def test_silent_peers_share_one_wait(files: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_silent_peers_share_one_wait(files: list[str]) -> None:
     """More peers than ask threads, none answering: the asks that start once the first have waited out
-    the bound wait no more (a thousand silent peers cost WAIT_S, not WAIT_S per thread's turn)."""
-    monkeypatch.setattr(listing, "WAIT_S", 0.2)
+    the bound wait no more (a thousand silent peers cost the wait once, not once per thread's turn)."""
     waits: list[float] = []
     lock = threading.Lock()
 
@@ -160,7 +159,7 @@ def test_silent_peers_share_one_wait(files: list[str], monkeypatch: pytest.Monke
         return None
 
     peers = list(range(1, listing.ASK_THREADS + 5))
-    share = SharedListing(0, len(peers) + 1)
+    share = SharedListing(0, len(peers) + 1, wait_s=0.2)
     share.sizes(files, lambda f: os.stat(files[f]).st_size, silent, peers)
     assert len(waits) == len(peers) and max(waits) <= 0.2
     assert sorted(waits)[:4] == [0.0] * 4  # the last four began after the bound
