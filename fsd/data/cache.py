@@ -219,7 +219,7 @@ class DatasetCache:
     def release_owned(self, fid: int) -> None:
         """*fid* is no longer this node's to keep for the others: keyed by this node's own next use again."""
         with self.guard:
-            self.residency.belady.unpin(fid, self.kernel.next_use(fid) if self.cursor.plan is not None else NEVER - 1)
+            self.residency.belady.unpin(fid, self.cursor.key(fid))
 
     def pfs_bytes(self) -> int:
         """Bytes this cache read from the backend itself (not through a source)."""

@@ -77,6 +77,8 @@ def test_this_nodes_own_plan_never_evicts_the_share_and_reads_it_without_the_bac
         share.keep_only(lambda f: f < 5)  # a new owner map: files 5-9 are this node's own plan's again
         assert all(cache.residency.belady.pinned(f) for f in range(5))
         assert not any(cache.residency.belady.pinned(f) for f in range(5, 10))
+        with cache.guard:  # keyed as any resident of this node's own plan again
+            assert all(cache.residency.belady.key(f) == cache.cursor.key(f) for f in range(5, 10) if f in cache.residency)
         assert share.used == 20_000 and len(share) == 5
     finally:
         cache.close()
