@@ -34,7 +34,7 @@ SSD-tier file reads and writes run without it (:mod:`fsd.data.tiers`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -97,10 +97,7 @@ class Residency:
         """Tier to place a fetched *fid* in, evicting by Belady; None: keep it transient."""
         if nu == NEVER:
             return None
-        order = [t for t in preference_order(int(self.placement[fid])) if self.tier(t).capacity >= size]
-        if not order or not self.evict_until(lambda: any(self.tier(t).free() >= size for t in order), nu):
-            return None
-        return next(t for t in order if self.tier(t).free() >= size)
+        return self._room_in(preference_order(int(self.placement[fid])), size, nu)
 
     def pin(self, fid: int, size: int) -> int | None:
         """The tier to keep *fid* in whatever this node's plan says (a cluster owner's share: other nodes
@@ -109,9 +106,13 @@ class Residency:
         if fid in self:
             self.belady.pin(fid)
             return RAM if fid in self.ram else SSD
-        order = [t for t in (RAM, SSD) if self.tier(t).capacity >= size]
-        if not order or not self.evict_until(lambda: any(self.tier(t).free() >= size for t in order),
-                                             BeladyIndex.PINNED):
+        return self._room_in((RAM, SSD), size, BeladyIndex.PINNED)
+
+    def _room_in(self, tiers: Sequence[int], size: int, after: int) -> int | None:
+        """The first of *tiers* (in that order) with *size* bytes free, evicting residents next used after
+        *after* to make them; None if none can hold it."""
+        order = [t for t in tiers if self.tier(t).capacity >= size]
+        if not order or not self.evict_until(lambda: any(self.tier(t).free() >= size for t in order), after):
             return None
         return next(t for t in order if self.tier(t).free() >= size)
 
