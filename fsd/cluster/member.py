@@ -95,7 +95,7 @@ class ClusterMember:
     def attach(self, built: Built, cache: SharedCache) -> list[str]:
         """A new plan for *cache* (worker thread, before the cache follows it); warnings for ``.fsd/error``."""
         t0 = time.monotonic()
-        paths = built.paths
+        kept = self.store if self.store is not None and self.store.tiers is cache else None  # the same listing
         reason, cp = self._global_plan(built, cache)
         own = None
         if cp is not None:
@@ -104,15 +104,15 @@ class ClusterMember:
             except PlanError as e:
                 reason = str(e).removeprefix("plan: ")
         if cp is None or own is None:
-            if self.store is not None and self.store.tiers is cache:  # what it kept for the others is its own again
-                self.store.keep_only(lambda f: False)
+            if kept is not None:  # what it kept for the others is its own again
+                kept.keep_only(lambda f: False)
             self._share(None, cache, None, reason)
             log.warning("cluster: not sharing this plan (%s); reading from the PFS alone", reason)
             return [f"cluster: this plan is not shared with the other nodes: {reason}; this node reads the "
                     "PFS alone"]
         fp = cp.fingerprint()
-        if self.store is not None and self.store.tiers is cache:  # the same listing: the same file ids
-            self.store.keep_only(lambda f: int(own.owner[f]) == self.cfg.index and bool(own.cached[f]))
+        if kept is not None:  # the same file ids
+            kept.keep_only(lambda f: int(own.owner[f]) == self.cfg.index and bool(own.cached[f]))
         else:  # a new cache (a new listing): the old one's tiers are gone with it
             self.store = TierShare(cache, self.capacity)
         c = self.cfg

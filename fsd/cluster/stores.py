@@ -94,15 +94,12 @@ class TierShare:
                 self.used -= size
         return ok
 
-    def _forget(self, fid: int) -> bool:
+    def drop(self, fid: int) -> None:
         with self._lock:
             got = self._kept.pop(fid, None)
             if got is not None:
                 self.used -= got[0]
-        return got is not None
-
-    def drop(self, fid: int) -> None:
-        if self._forget(fid):
+        if got is not None:
             self.tiers.release_owned(fid)
 
     def keep_only(self, keep: Callable[[int], bool]) -> None:
