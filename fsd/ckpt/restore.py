@@ -423,8 +423,8 @@ def plan(src: int, roots: list[Path], clients: list[ReplicaClient]) -> tuple[dic
         report["dirs"] = _begin(rs, best, roots)
         if len(reached) < len(clients):  # a buddy may hold copies of ids this node no longer knows: never reuse
             floor = b"%d\n" % (time.time_ns() >> 16)
-            for r in roots:
-                mf.write_atomic((r / mf.ID_FLOOR_FILE).parent, (r / mf.ID_FLOOR_FILE).name, floor, tag=0)
+            for floor_file in (r / mf.ID_FLOOR_FILE for r in roots):
+                mf.write_atomic(floor_file.parent, floor_file.name, floor, tag=0)
         if not again or len(reached) == len(clients):
             # the set-up is done (a first one that reached no buddy goes on empty, its copies kept there); a set-up
             # cut short is done again until every buddy answered: its files not published yet are theirs
@@ -460,8 +460,8 @@ def _begin(rs: Restoring, best: dict[int, tuple[mf.Manifest, ReplicaClient]], ro
     within it is taken up by the next mount rather than leaving published files it does not know of);
     returns the directories published."""
     uuids = [device_identity(r) for r in roots]
-    for r in roots:
-        mf.write_atomic((r / BEGUN_FILE).parent, (r / BEGUN_FILE).name, b"", tag=0)
+    for begun in (r / BEGUN_FILE for r in roots):
+        mf.write_atomic(begun.parent, begun.name, b"", tag=0)
     files = sorted((m for m, _ in best.values() if m.kind == "file"), key=lambda m: m.id)
     dirs = [m for m, _ in best.values() if m.kind == "dir"]
     _set_marks(roots, [m.id for m in files])  # before any of their manifests
