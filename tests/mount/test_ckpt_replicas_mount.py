@@ -142,4 +142,6 @@ def test_a_drained_file_leaves_the_buddy_and_fsd_status_shows_the_buddy(tmp_path
     assert wait_until(lambda: (tmp_path / "node0" / "ckpt" / "model.pt").exists()
                       and not m1.status()["replicas"]["kept"]["kept"], 60, "the drained copy dropped on the buddy")
     assert (tmp_path / "node0" / "ckpt" / "model.pt").read_bytes() == data
-    assert _buddy(m0)["committed"] == 0 and _buddy(m0)["lag_files"] == 0
+    # the source forgets the copy once the buddy's Drop returned: a moment after the buddy's listing shows it
+    assert wait_until(lambda: _buddy(m0)["committed"] == 0 and _buddy(m0)["lag_files"] == 0, 60,
+                      "the source counts no copy on the buddy")
