@@ -7,13 +7,13 @@ One :class:`ClusterSource` per shared plan. The dataset cache's fetch threads ca
   the dataset cache's own RAM and SSD tiers), else it is read from the PFS once (one read per
   file even when this node's prefetcher and several peers ask at the same time) and kept in the
   share when the owner map says the cluster caches it;
-- a file another node owns is fetched from that node: the requests of all fetch threads
-  for one owner are gathered into batches (:class:`_OwnerQueue`, one streaming call per
-  batch, in the order the prefetcher asked, i.e. access order), each bounded by the
-  cluster's ``fetch_timeout``; whatever the owner does not deliver (down, slow, refusing,
-  another plan, missing) is read from the PFS and counted as a fallback. The cache also passes
-  the files its plan reads next that nothing holds yet: they are asked for in the same batches
-  (look-ahead, bounded by ``AHEAD_FILES`` / ``AHEAD_BYTES``) and taken when their fetch comes.
+- a file another node owns is fetched from that node: the dataset cache's fetch threads hand over
+  whole windows of their queued fetches (:meth:`ClusterSource.read_many`, up to
+  :data:`fsd.data.tuning.BULK_FILES`, their staging room reserved), and the requests of all threads
+  for one owner are gathered into batches (:class:`_OwnerQueue`, one streaming call per batch, in the
+  order asked, i.e. access order, several samples a message), each bounded by the cluster's
+  ``fetch_timeout``; whatever the owner does not deliver (down, slow, refusing, another plan,
+  missing) is read from the PFS and counted as a fallback.
 
 :meth:`ClusterSource.serve` answers a peer's request (grpc threads): only owned files (and
 what the small :class:`RecentBuffer` holds), by file id; the bytes are the PFS's own.
@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,10 +51,6 @@ BATCH_THREADS = 2
 """Streaming calls in flight per owner."""
 BATCH_POOL_MAX = 32
 """Threads that run the batch calls of all owners together (a thousand peers need no two thousand threads)."""
-AHEAD_FILES = 16
-"""Most files asked for ahead of their fetch (look-ahead) and not taken yet ..."""
-AHEAD_BYTES = 4 << 20
-"""... and their most bytes: memory beyond the node's tier budget."""
 HEDGE_MIN_S = 0.5
 HEDGE_FACTOR = 8
 """A sample not there within ``HEDGE_FACTOR`` times its owner's batch latency (an EWMA; at least
@@ -279,8 +275,6 @@ class ClusterSource:
         self.queues = {k: _OwnerQueue(c, max_batch, grace_until, self.batcher, self.down)
                        for k, c in peers.clients.items()}
         self._inflight: dict[int, threading.Event] = {}
-        self._ahead: OrderedDict[int, tuple[_Slot, float, int]] = OrderedDict()  # fid -> (slot, asked at, of whom)
-        self._ahead_bytes = 0
         self._lock = threading.Lock()
         self.closed = False
         self.stager: Stager | None = None
@@ -370,85 +364,76 @@ class ClusterSource:
         return None
 
     # ------------------------------------------------------------------ this node's fetches
-    def read(self, fid: int, queued: Sequence[int] = ()) -> bytes:
-        """The whole of file *fid* for the dataset cache (fetch thread; OSError like a PFS read).
+    def bulk(self, fid: int) -> bool:
+        """Whether *fid* is fetched from a peer (asked for in bulk: :meth:`read_many`)."""
+        own = self._maps.get(self._down, self.own)
+        return not self.closed and 0 <= fid < len(own.owner) and int(own.owner[fid]) in self.queues
 
-        *queued*: the cache's fetches queued after this one (access order, staging reserved for
-        them); those of other owners are asked for now, in the same batches (look-ahead), and
-        taken from here when their fetch runs."""
+    def read(self, fid: int) -> bytes:
+        """The whole of file *fid* for the dataset cache (fetch thread; OSError like a PFS read)."""
         own = self.owner_map(self._down) or self.own
-        owner = int(own.owner[fid]) if 0 <= fid < len(own.owner) else -1
-        reowned = 0 <= fid < len(own.owner) and owner != int(self.own.owner[fid])
-        if reowned:
+        owner = self._owner_of(own, fid)
+        q = self.queues.get(owner)
+        if q is None or self.closed:
+            return self._read_here(own, fid, owner)
+        return self._from_peer(fid, owner, q.wait(q.submit([fid])[0], self.wait_s))
+
+    def read_many(self, fids: Sequence[int]) -> Iterator[tuple[int, bytes | None]]:
+        """Each of *fids* once, in their order, as ``(fid, bytes)``, or ``(fid, None)`` for one that
+        could not be read at all (logged): every owner's files are asked for at once, in one request
+        where the batch bound allows, before the first is waited for."""
+        own = self.owner_map(self._down) or self.own
+        owners = [self._owner_of(own, f) for f in fids]
+        slots: dict[int, _Slot] = {}
+        if not self.closed:
+            asks: dict[int, list[int]] = {}
+            for f, k in zip(fids, owners):
+                if k in self.queues:
+                    asks.setdefault(k, []).append(f)
+            for k, fs in asks.items():
+                slots.update(zip(fs, self.queues[k].submit(fs)))
+        for f, k in zip(fids, owners):
+            slot = slots.get(f)
+            try:
+                data = (self._read_here(own, f, k) if slot is None else
+                        self._from_peer(f, k, self.queues[k].wait(slot, self.wait_s)))
+            except OSError as e:
+                log.warning("cluster: file %d could not be read: %s", f, e)
+                yield f, None
+            else:
+                yield f, data
+
+    def _owner_of(self, own: Ownership, fid: int) -> int:
+        """*fid*'s owner in *own* (-1: an id past the plan); a file whose owner is down is counted."""
+        if not 0 <= fid < len(own.owner):
+            return -1
+        owner = int(own.owner[fid])
+        if owner != int(self.own.owner[fid]):
             self.counters.add(reowned_files=1)
+        return owner
+
+    def _read_here(self, own: Ownership, fid: int, owner: int) -> bytes:
+        """*fid* read by this node: its own (share, or the PFS once), else a fallback read of the PFS."""
         if owner == self.node:
             (data, _), local = self._owned(fid, own, for_peer=False)
             if local:
                 self.counters.add(local_bytes=len(data), local_files=1)
-            self._ask_ahead(own, queued)
-            return data
-        q = self.queues.get(owner)
-        data = None
-        if q is not None and not self.closed:
-            with self._lock:
-                got = self._ahead.pop(fid, None)
-                if got is not None:
-                    self._ahead_bytes -= int(self.sizes[fid])
-            # asked of a node that no longer owns it (taken as down since): ask the owner now
-            slot = got[0] if got is not None and got[2] == owner else None
-            mine = self._ask_ahead(own, queued, (owner, fid) if slot is None else None)
-            data = q.wait(slot if slot is not None else mine, self.wait_s)  # type: ignore[arg-type]
-        if data is not None and len(data) != int(self.sizes[fid]):  # not the file the plan knows
-            self.queues[owner].client.stats.add(bad_samples=1)
-            log.warning("cluster: file %d from node %d has %d bytes, the plan knows %d; reading the PFS", fid,
-                        owner, len(data), int(self.sizes[fid]))
-            data = None
-        if data is not None:
-            self.counters.add(peer_bytes=len(data), peer_files=1)
             return data
         data = self.pfs.read_file(fid)
         self.counters.add(pfs_bytes=len(data), pfs_files=1, fallback_bytes=len(data), fallback_files=1)
         return data
 
-    def _ask_ahead(self, own: Ownership, queued: Sequence[int], first: tuple[int, int] | None = None) -> _Slot | None:
-        """Ask the owners (in *own*) for the queued files of theirs not asked for yet (at most
-        ``AHEAD_FILES`` outstanding; the oldest untaken go first), each owner's in one request; *first*
-        ``(owner, fid)`` goes at the head of its owner's. Returns *first*'s slot."""
-        owner = own.owner
-        n = len(owner)
-        asks: dict[int, list[int]] = {first[0]: [first[1]]} if first is not None else {}
-        with self._lock:
-            # what was asked for earlier is used sooner: never pushed out, only dropped when its
-            # fetch did not come (a plan change) within the wait bound
-            stale = time.monotonic() - self.wait_s
-            while self._ahead and next(iter(self._ahead.values()))[1] < stale:
-                f, _ = self._ahead.popitem(last=False)
-                self._ahead_bytes -= int(self.sizes[f])
-            room = AHEAD_FILES - len(self._ahead)
-            for f in queued:
-                f = int(f)
-                if room <= 0:
-                    break
-                if not 0 <= f < n or f in self._ahead or (first is not None and f == first[1]):
-                    continue
-                k = int(owner[f])
-                if k not in self.queues:  # ours: its own fetch reads it
-                    continue
-                if self._ahead_bytes + int(self.sizes[f]) > AHEAD_BYTES:
-                    break
-                asks.setdefault(k, []).append(f)
-                self._ahead_bytes += int(self.sizes[f])
-                room -= 1
-            mine = None
-            now = time.monotonic()
-            for k, fids in asks.items():
-                slots = self.queues[k].submit(fids)
-                for f, slot in zip(fids, slots):
-                    if first is not None and (k, f) == first:
-                        mine = slot
-                        continue
-                    self._ahead[f] = (slot, now, k)
-        return mine
+    def _from_peer(self, fid: int, owner: int, data: bytes | None) -> bytes:
+        """What owner *owner* delivered for *fid*, if it is the size the plan knows; else the PFS's."""
+        if data is not None and len(data) != int(self.sizes[fid]):  # not the file the plan knows
+            self.queues[owner].client.stats.add(bad_samples=1)
+            log.warning("cluster: file %d from node %d has %d bytes, the plan knows %d; reading the PFS", fid,
+                        owner, len(data), int(self.sizes[fid]))
+            data = None
+        if data is None:
+            return self._read_here(self.own, fid, -1)
+        self.counters.add(peer_bytes=len(data), peer_files=1)
+        return data
 
     def _owned(self, fid: int, own: Ownership, for_peer: bool) -> tuple[Sample, bool]:
         """An owned file (in *own*): ``(sample, from memory)``; read from the PFS by one thread at a time."""
@@ -525,9 +510,6 @@ class ClusterSource:
         """The PFS file changed: forget this node's copies."""
         self.store.drop(fid)
         self.recent.drop(fid)
-        with self._lock:
-            if self._ahead.pop(fid, None) is not None:
-                self._ahead_bytes -= int(self.sizes[fid])
 
     def status(self) -> dict[str, Any]:
         return {"down": sorted(self._down),

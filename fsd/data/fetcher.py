@@ -19,7 +19,7 @@ held across a backend or SSD read or write.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from fsd.data import tuning
@@ -42,9 +42,17 @@ log = logging.getLogger(__name__)
 class WholeFiles(Protocol):
     """Another source of whole files than the backend (cluster mode: :mod:`fsd.cluster.source`)."""
 
-    def read(self, fid: int, queued: Sequence[int] = ()) -> bytes:
-        """The whole of *fid*; *queued*: files whose fetches are queued after it, in access order
-        (their staging room is reserved), which the source may fetch along with it."""
+    def read(self, fid: int) -> bytes:
+        """The whole of *fid* (OSError like a backend read)."""
+        ...
+
+    def bulk(self, fid: int) -> bool:
+        """Whether *fid* comes from where a request for many files costs about what one costs (a peer)."""
+        ...
+
+    def read_many(self, fids: Sequence[int]) -> Iterator[tuple[int, bytes | None]]:
+        """Each of *fids* once, as ``(fid, bytes)`` as they come, ``(fid, None)`` for one that could
+        not be read (logged)."""
         ...
 
     def invalidate(self, fid: int) -> None: ...
@@ -54,7 +62,8 @@ class Fetcher:
     """Backend fetches (prefetch and demand), SSD-tier writes, and the read path."""
 
     FETCH_WAIT_S = tuning.FETCH_WAIT_S
-    QUEUED_HINT = tuning.QUEUED_HINT
+    BULK_FILES = tuning.BULK_FILES
+    BULK_SCAN = tuning.BULK_SCAN
 
     def __init__(self, guard: CacheGuard, backend: Backend, catalog: FileCatalog, staging: Staging,
                  residency: Residency, cursor: PlanCursor, kernel: KernelTier, clock: Callable[[], float]) -> None:
@@ -81,29 +90,54 @@ class Fetcher:
                 f = t.ref
                 assert isinstance(f, Fetch)
                 if f.started:
-                    return  # a reader took it over
+                    return  # a reader (or another fetch's bulk request) took it over
                 f.started = True
-                queued = self._upcoming(t) if self.source is not None else []
-            self.run_fetch(t, queued=queued)
+                src = self.source
+                group = self._claim_bulk(t, src) if src is not None and src.bulk(t.fid) else None
+            if group is None:
+                self.run_fetch(t)
+            else:
+                self._run_bulk(group)
         elif t.kind == "ssd":
             path, data, gen = t.ref  # type: ignore[misc]
             self.write_ssd(t.fid, path, data, gen)
         else:
             self.kernel.run(t)
 
-    def _upcoming(self, t: Task) -> list[int]:
-        """Files of the accesses after *t*'s in the plan that no tier, staging or fetch holds and the
-        kernel is not believed to cache: what the prefetcher will fetch next (guard held)."""
+    def _claim_bulk(self, t: Task, src: WholeFiles) -> dict[int, Task]:
+        """*t* and the queued fetches of the next ``BULK_SCAN`` accesses that *src* serves in bulk, at
+        most ``BULK_FILES``, claimed for one request (guard held): their staging room is reserved
+        already, so a bulk request holds no bytes beyond the budget."""
+        group = {t.fid: t}
         plan = self.cursor.plan
         if plan is None or plan.gen != t.plan_gen:
-            return []
-        out: list[int] = []
-        held = self.kernel.belief.tier
-        for f in plan.ids[t.pos + 1 : t.pos + 1 + self.QUEUED_HINT].tolist():
-            if f in self.residency or self.staging.busy(f) or f in held:
+            return group
+        inflight = self.staging.inflight
+        for fid in plan.ids[t.pos + 1 : t.pos + 1 + self.BULK_SCAN].tolist():
+            if len(group) >= self.BULK_FILES:
+                break
+            f = inflight.get(fid)
+            if f is None or f.started or f.task is None or f.task.plan_gen != t.plan_gen or fid in group \
+                    or not src.bulk(fid):
                 continue
-            out.append(f)
-        return out
+            f.started = True
+            group[fid] = f.task
+        return group
+
+    def _run_bulk(self, group: dict[int, Task]) -> None:
+        """Fetch the claimed *group* from the source in one go; each file is settled as it comes, and
+        every one is settled (a file that did not come as a failed fetch)."""
+        src = self.source
+        assert src is not None
+        left = dict(group)
+        try:
+            for fid, data in src.read_many(list(group)):
+                t = left.pop(fid, None)
+                if t is not None:
+                    self._settle(t, data, True, None, True)
+        finally:
+            for t in left.values():
+                self._settle(t, None, True, None, True)
 
     # ------------------------------------------------------------------ reads
     def memory_copy(self, fid: int) -> bytes | None:
@@ -199,9 +233,9 @@ class Fetcher:
             self.cursor.lead.stalled(now)
 
     # ------------------------------------------------------------------ fetches
-    def _fetch_bytes(self, fid: int, est: int, src: WholeFiles | None = None, queued: Sequence[int] = ()) -> bytes:
-        if src is not None:
-            return src.read(fid, queued)
+    def _fetch_bytes(self, fid: int, est: int) -> bytes:
+        if self.source is not None:
+            return self.source.read(fid)
         if est <= 0:
             return self.backend.read_file(fid)
         data = self.backend.pread(fid, 0, est + 1)
@@ -216,21 +250,24 @@ class Fetcher:
             parts.append(b)
             off += len(b)
 
-    def run_fetch(self, t: Task, may_push: bool = True, queued: Sequence[int] = (),
-                  then: Callable[[bytes], None] | None = None) -> bytes | None:
+    def run_fetch(self, t: Task, may_push: bool = True, then: Callable[[bytes], None] | None = None) -> bytes | None:
         """Fetch, then stage/admit and push (*may_push* False on a reader's thread: see Deadlocks).
 
         Returns the bytes when they are the file's current ones (its generation), kept or not: a
         reader that ran the fetch itself serves them rather than reading the backend again when
         staging had no room for them; *then* gets them first, under the same hold of the guard."""
-        fid = t.fid
-        src = self.source
-        via_source = src is not None
+        via_source = self.source is not None
         try:
-            data = self._fetch_bytes(fid, t.reserved, src, queued)
+            data: bytes | None = self._fetch_bytes(t.fid, t.reserved)
         except OSError as e:
-            log.warning("prefetch of file %d failed: %s", fid, e)
+            log.warning("prefetch of file %d failed: %s", t.fid, e)
             data = None
+        return self._settle(t, data, may_push, then, via_source)
+
+    def _settle(self, t: Task, data: bytes | None, may_push: bool, then: Callable[[bytes], None] | None,
+                via_source: bool) -> bytes | None:
+        """Fetch *t* ended with *data* (None: failed): release its reservation, place and push the bytes."""
+        fid = t.fid
         ssd_path: str | None = None
         push = False
         push_pos = t.pos

@@ -111,8 +111,12 @@ MIN_ESTIMATE = 4096
 """An unknown file's reservation is at least this."""
 FETCH_WAIT_S = 10.0
 """Longest a reader waits for a fetch another thread runs before it reads the backend itself."""
-QUEUED_HINT = 64
-"""Accesses after a fetch's own whose files a source (the cluster) is told of."""
+BULK_FILES = 64
+"""Queued fetches a fetch thread claims and asks a bulk source (cluster peers) for in one go: fewer
+requests, messages and wake-ups per sample, against the first file of a bulk request waiting for the
+request to start, and readers of its later files waiting for the request rather than their own fetch."""
+BULK_SCAN = 256
+"""Accesses after a fetch's own that are looked at for those fetches (under the lock)."""
 FILL_INFLIGHT_PER_THREAD = 2
 """Tier fills in flight per fetch thread: more overlaps I/O, and holds more staging."""
 TASKS_PER_ROUND = 64

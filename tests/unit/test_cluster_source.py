@@ -91,10 +91,11 @@ def test_reads_through_many_peers_are_exact_on_a_bounded_pool(tmp_path: Path) ->
         errors: list[str] = []
 
         def reader(part: list[int]) -> None:
-            for i, fid in enumerate(part):
-                got = src.read(fid, queued=part[i + 1:i + 9])
-                if got != files.data[fid]:
-                    errors.append(f"file {fid} differs")
+            for a in range(0, len(part), 9):  # one file alone, then a window of 8 in bulk
+                got = [(part[a], src.read(part[a])), *src.read_many(part[a + 1:a + 9])]
+                if [f for f, _ in got] != part[a:a + 9]:
+                    errors.append(f"files {[f for f, _ in got]} for {part[a:a + 9]}")
+                errors.extend(f"file {fid} differs" for fid, data in got if data != files.data[fid])
 
         threads = [threading.Thread(target=reader, args=(order[j::4],)) for j in range(4)]
         for t in threads:

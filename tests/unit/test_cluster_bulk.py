@@ -1,0 +1,101 @@
+"""A requester pulls its upcoming remote files in bulk: a fetch thread hands whole windows of its queued
+fetches to the cluster source, which asks each owner for them in one request (real gRPC on loopback, a
+real dataset cache driven step by step). The bytes land in staging reserved for them, exact."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_dataset_cache import Dataset, settle
+
+from fsd.cluster.config import ClusterConfig
+from fsd.cluster.ownership import Ownership
+from fsd.cluster.source import ClusterSource, SourceCounters
+from fsd.cluster.stores import RecentBuffer, TierShare
+from fsd.cluster.transport import PeerServer, Peers
+from fsd.data import tuning
+from fsd.data.cache import DatasetCache
+from fsd.plan.access_stream import NodeStream
+
+pytestmark = pytest.mark.timeout(120)
+SECRET = b"bulk-test-secret"
+FP = "b" * 64
+N = 120
+
+
+@pytest.fixture
+def ds(tmp_path: Path) -> Iterator[Dataset]:
+    d = Dataset(tmp_path / "data", N, 1000, 3000)
+    yield d
+    d.close()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cluster(ds: Dataset, tmp_path: Path, cache: DatasetCache, owner: np.ndarray,
+             serve_ok: bool = True) -> tuple[ClusterSource, Peers, list[PeerServer]]:
+    """Node 0 (this cache) and two peers that serve their files from the dataset's bytes (or, with
+    *serve_ok* False, answer every file missing)."""
+    ports = [_port() for _ in range(3)]
+    servers = []
+    for k in (1, 2):
+        s = PeerServer(f"127.0.0.1:{ports[k]}", SECRET, k, n_files=N, fingerprint=FP,
+                       serve=lambda i, down: ds.data[i] if serve_ok else None)
+        s.start()
+        servers.append(s)
+    cfg = ClusterConfig(index=0, nodes=tuple(f"127.0.0.1:{p}" for p in ports), secret_file=tmp_path / "s",
+                        secret=SECRET, listen=f"127.0.0.1:{ports[0]}", fetch_timeout=20.0, connect_timeout=2.0,
+                        backoff_max=2.0, max_batch=256)
+    peers = Peers(cfg, FP)
+    src = ClusterSource(0, Ownership(owner=owner, cached=np.zeros(N, bool), nodes=3), ds.sizes, ds.backend,
+                        peers, TierShare(cache, 0), RecentBuffer(), SourceCounters(), fetch_timeout=20.0,
+                        connect_timeout=2.0, max_batch=256)
+    return src, peers, servers
+
+
+def _run(ds: Dataset, tmp_path: Path, owner: np.ndarray, serve_ok: bool = True) -> tuple[DatasetCache, dict, dict]:
+    """One epoch in a random order, prefetched through the cluster source and read whole: the cache's
+    fetch stats, the source's counters and each peer's batch calls."""
+    cache = DatasetCache(ds.backend, ram_bytes=2 << 20, staging_fraction=0.9, fetch_threads=2)
+    src, peers, servers = _cluster(ds, tmp_path, cache, owner, serve_ok)
+    try:
+        cache.use_source(src)
+        ids = np.random.default_rng(3).permutation(N).astype(np.int64)
+        cache.set_plan(NodeStream(ids, np.array([0, N]), np.zeros(N, int), 0, 4))
+        settle(cache)
+        for f in ids.tolist():
+            assert cache.read(f, 0, 4096) == ds.data[f]
+        return cache, src.counters.snapshot(), {k: c.stats.batches for k, c in peers.clients.items()}
+    finally:
+        src.close()
+        peers.close()
+        for s in servers:
+            s.stop(0)
+        cache.close()
+
+
+def test_a_fetch_thread_asks_each_owner_for_a_window_in_one_request(ds: Dataset, tmp_path: Path) -> None:
+    owner = (np.arange(N) % 3).astype(np.int32)  # a third is this node's own
+    cache, c, batches = _run(ds, tmp_path, owner)
+    remote = int((owner != 0).sum())
+    assert c["peer_files"] == remote and c["fallback_files"] == 0
+    assert c["local_files"] == 0 and c["pfs_files"] == N - remote  # its own files: one PFS read each
+    # one request per owner for each window of BULK_FILES claimed fetches (a window spans both owners)
+    windows = -(-remote // min(tuning.BULK_FILES, remote))
+    assert all(1 <= b <= windows + 1 for b in batches.values()), batches
+    assert cache.stats()["backend"]["demand_reads"] == 0  # every read found its bytes fetched ahead
+
+
+def test_a_window_the_owners_do_not_deliver_is_read_from_the_pfs_file_by_file(ds: Dataset, tmp_path: Path) -> None:
+    owner = np.where(np.arange(N) < N // 2, 1, 2).astype(np.int32)  # all remote
+    cache, c, batches = _run(ds, tmp_path, owner, serve_ok=False)
+    assert c["peer_files"] == 0 and c["fallback_files"] == N and c["pfs_files"] == N
+    assert sum(batches.values()) >= 2
