@@ -170,6 +170,7 @@ class DatasetCache:
         as they are: a cluster owner keeps its share in them (:meth:`keep_owned`)."""
         with self.guard:
             self.fetcher.source = source
+            self.scheduler.in_windows = source is not None
             self.guard.notify_all()
 
     # ------------------------------------------------------------------ a cluster owner's share

@@ -17,6 +17,10 @@ apart, the slower rank's DataLoader workers to read each skipped file from the b
 time, behind the prefetcher's reads (``bench-data`` epoch 0: ~1000 such reads, 0.8 s stalls every
 ~15 steps).
 
+With a source that fetches in bulk (cluster peers) the head waits until the lead ahead of the
+readers is down to ``REFILL_AT`` of its target and then refills it at once, so that a fetch thread
+finds a window of queued fetches to ask for in one request (:meth:`fsd.data.fetcher.Fetcher.execute`).
+
 Retiring (the release point, the slowest rank's trail less two windows) re-keys residents and
 the kernel tier and admits or drops staged files. A divergence resets the position and stops
 pushing; a resync restarts at the slowest rank and passes the accesses the other ranks had read.
@@ -47,6 +51,7 @@ class Scheduler:
 
     FILL_INFLIGHT_PER_THREAD = tuning.FILL_INFLIGHT_PER_THREAD
     TASKS_PER_ROUND = tuning.TASKS_PER_ROUND
+    REFILL_AT = tuning.REFILL_AT
 
     def __init__(self, guard: CacheGuard, catalog: FileCatalog, staging: Staging, residency: Residency,
                  cursor: PlanCursor, kernel: KernelTier, fetch_threads: int, clock: Callable[[], float]) -> None:
@@ -60,6 +65,7 @@ class Scheduler:
         self.clock = clock
         self.submit: Callable[[Task], None] = lambda t: None  # the prefetcher's (set by the cache)
         self.fills = 0
+        self.in_windows = False  # a source that fetches in bulk: the lead is refilled in windows
 
     # ------------------------------------------------------------------ reader progress (guard held)
     def reset(self, pos: int) -> None:
@@ -163,6 +169,8 @@ class Scheduler:
             if cur.head < cur.released:
                 cur.head = cur.released
             tasks = kernel.tasks(plan) if kernel.pushing else []
+            if self.in_windows and cur.head < target and cur.head - est > lead * self.REFILL_AT:
+                return tasks  # refilled in windows: a bulk request per window, not per access
             # Within the fetch lead: everything; up to the push window: resident files (their pushes);
             # beyond both, while the tiers have free room: fill them (resident files pass, others are
             # fetched straight into a tier) up to the first access of a file already pending.

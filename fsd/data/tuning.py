@@ -115,6 +115,10 @@ BULK_FILES = 64
 """Queued fetches a fetch thread claims and asks a bulk source (cluster peers) for in one go: fewer
 requests, messages and wake-ups per sample, against the first file of a bulk request waiting for the
 request to start, and readers of its later files waiting for the request rather than their own fetch."""
+REFILL_AT = 0.5
+"""With a bulk source, the share of the fetch lead left ahead of the readers at which the head refills
+it (in windows of up to ``TASKS_PER_ROUND``): lower is larger windows, and less lead to cover a slow
+request."""
 BULK_SCAN = 256
 """Accesses after a fetch's own that are looked at for those fetches (under the lock)."""
 FILL_INFLIGHT_PER_THREAD = 2
