@@ -505,8 +505,8 @@ class Peers:
         """For ``.fsd/status``: each peer's state and counters, and the totals."""
         peers = [{**c.stats.snapshot(), "breaker": c.breaker.current_state} for c in self.clients.values()]
         tot = {k: sum(p[k] for p in peers) for k in ("fetched_samples", "fetched_bytes", "served_samples",
-                                                     "served_bytes", "fallbacks", "errors", "timeouts",
-                                                     "refusals")}
+                                                     "served_bytes", "batches", "fallbacks", "errors",
+                                                     "timeouts", "refusals")}
         return {"node": self.cfg.index, "fingerprint": self.fingerprint, "peers": peers, "totals": tot}
 
     def close(self) -> None:

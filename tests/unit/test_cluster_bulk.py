@@ -70,8 +70,8 @@ def _run(ds: Dataset, tmp_path: Path, owner: np.ndarray, serve_ok: bool = True) 
         cache.use_source(src)
         ids = np.random.default_rng(3).permutation(N).astype(np.int64)
         cache.set_plan(NodeStream(ids, np.array([0, N]), np.zeros(N, int), 0, 4))
-        settle(cache)
         for f in ids.tolist():
+            settle(cache)
             assert cache.read(f, 0, 4096) == ds.data[f]
         return cache, src.counters.snapshot(), {k: c.stats.batches for k, c in peers.clients.items()}
     finally:
