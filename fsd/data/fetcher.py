@@ -82,6 +82,8 @@ class Fetcher:
         self.overflow_drops = 0
         self.source: WholeFiles | None = None  # set: whole-file fetches go through it
         self.source_bytes = 0
+        self.source_requests = 0  # source reads and bulk requests (a bulk request counts once) ...
+        self.source_files = 0  # ... and the files they asked for
 
     def execute(self, t: Task) -> None:
         """Run a prefetcher task (worker threads)."""
@@ -122,6 +124,7 @@ class Fetcher:
                 continue
             f.started = True
             group[fid] = f.task
+        self.source_requests += 1
         return group
 
     def _run_bulk(self, group: dict[int, Task]) -> None:
@@ -134,10 +137,10 @@ class Fetcher:
             for fid, data in src.read_many(list(group)):
                 t = left.pop(fid, None)
                 if t is not None:
-                    self._settle(t, data, True, None, True)
+                    self._settle(t, data, True, None, True, False)
         finally:
             for t in left.values():
-                self._settle(t, None, True, None, True)
+                self._settle(t, None, True, None, True, False)
 
     # ------------------------------------------------------------------ reads
     def memory_copy(self, fid: int) -> bytes | None:
@@ -265,8 +268,9 @@ class Fetcher:
         return self._settle(t, data, may_push, then, via_source)
 
     def _settle(self, t: Task, data: bytes | None, may_push: bool, then: Callable[[bytes], None] | None,
-                via_source: bool) -> bytes | None:
-        """Fetch *t* ended with *data* (None: failed): release its reservation, place and push the bytes."""
+                via_source: bool, alone: bool = True) -> bytes | None:
+        """Fetch *t* ended with *data* (None: failed): release its reservation, place and push the bytes.
+        *alone*: it was a request of its own (not one file of a bulk request)."""
         fid = t.fid
         ssd_path: str | None = None
         push = False
@@ -275,6 +279,9 @@ class Fetcher:
             f = t.ref
             assert isinstance(f, Fetch)
             mine = self.staging.settle(fid, f) and f.gen == self.catalog.gen(fid)
+            if via_source:
+                self.source_files += 1
+                self.source_requests += int(alone)
             if data is not None and via_source:
                 self.source_bytes += len(data)
             elif data is not None:
@@ -365,6 +372,8 @@ class Fetcher:
         with self.guard:
             if src is not None:
                 self.source_bytes += len(data)
+                self.source_requests += 1
+                self.source_files += 1
             else:
                 self.backend_bytes += len(data)
                 self.backend_reads += 1
@@ -390,4 +399,5 @@ class Fetcher:
 
     def stats(self) -> dict:
         return {"bytes_read": self.backend_bytes, "reads": self.backend_reads, "demand_reads": self.demand_reads,
-                "source_bytes": self.source_bytes}
+                "source_bytes": self.source_bytes, "source_requests": self.source_requests,
+                "source_files": self.source_files}

@@ -18,7 +18,7 @@ time, behind the prefetcher's reads (``bench-data`` epoch 0: ~1000 such reads, 0
 ~15 steps).
 
 With a source that fetches in bulk (cluster peers) the head waits until the lead ahead of the
-readers is down to ``REFILL_AT`` of its target and then refills it at once, so that a fetch thread
+readers is down to ``REFILL_AT`` of its target, then refills it at once, so that a fetch thread
 finds a window of queued fetches to ask for in one request (:meth:`fsd.data.fetcher.Fetcher.execute`).
 
 Retiring (the release point, the slowest rank's trail less two windows) re-keys residents and

@@ -118,7 +118,7 @@ request to start, and readers of its later files waiting for the request rather 
 REFILL_AT = 0.5
 """With a bulk source, the share of the fetch lead left ahead of the readers at which the head refills
 it (in windows of up to ``TASKS_PER_ROUND``): lower is larger windows, and less lead to cover a slow
-request."""
+request. Staging's room bounds a window too (files wait there for their readers)."""
 BULK_SCAN = 256
 """Accesses after a fetch's own that are looked at for those fetches (under the lock)."""
 FILL_INFLIGHT_PER_THREAD = 2
