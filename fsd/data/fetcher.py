@@ -99,7 +99,7 @@ class Fetcher:
             if group is None:
                 self.run_fetch(t)
             else:
-                self._run_bulk(group)
+                self._run_bulk(group, src)  # type: ignore[arg-type]
         elif t.kind == "ssd":
             path, data, gen = t.ref  # type: ignore[misc]
             self.write_ssd(t.fid, path, data, gen)
@@ -127,11 +127,9 @@ class Fetcher:
         self.source_requests += 1
         return group
 
-    def _run_bulk(self, group: dict[int, Task]) -> None:
-        """Fetch the claimed *group* from the source in one go; each file is settled as it comes, and
-        every one is settled (a file that did not come as a failed fetch)."""
-        src = self.source
-        assert src is not None
+    def _run_bulk(self, group: dict[int, Task], src: WholeFiles) -> None:
+        """Fetch the claimed *group* from *src* in one go; each file is settled as it comes, and every
+        one is settled (a file that did not come as a failed fetch)."""
         left = dict(group)
         try:
             for fid, data in src.read_many(list(group)):
@@ -236,9 +234,9 @@ class Fetcher:
             self.cursor.lead.stalled(now)
 
     # ------------------------------------------------------------------ fetches
-    def _fetch_bytes(self, fid: int, est: int) -> bytes:
-        if self.source is not None:
-            return self.source.read(fid)
+    def _fetch_bytes(self, fid: int, est: int, src: WholeFiles | None) -> bytes:
+        if src is not None:
+            return src.read(fid)
         if est <= 0:
             return self.backend.read_file(fid)
         data = self.backend.pread(fid, 0, est + 1)
@@ -259,13 +257,13 @@ class Fetcher:
         Returns the bytes when they are the file's current ones (its generation), kept or not: a
         reader that ran the fetch itself serves them rather than reading the backend again when
         staging had no room for them; *then* gets them first, under the same hold of the guard."""
-        via_source = self.source is not None
+        src = self.source
         try:
-            data: bytes | None = self._fetch_bytes(t.fid, t.reserved)
+            data: bytes | None = self._fetch_bytes(t.fid, t.reserved, src)
         except OSError as e:
             log.warning("prefetch of file %d failed: %s", t.fid, e)
             data = None
-        return self._settle(t, data, may_push, then, via_source)
+        return self._settle(t, data, may_push, then, src is not None)
 
     def _settle(self, t: Task, data: bytes | None, may_push: bool, then: Callable[[bytes], None] | None,
                 via_source: bool, alone: bool = True) -> bytes | None:
