@@ -18,7 +18,9 @@ time, behind the prefetcher's reads (``bench-data`` epoch 0: ~1000 such reads, 0
 ~15 steps).
 
 With a source that fetches in bulk (cluster peers) the head waits until the lead ahead of the
-readers is down to ``REFILL_AT`` of its target, then refills it at once, so that a fetch thread
+readers is down to ``REFILL_AT`` of its target, or staging has ``REFILL_AT`` of its room free (whichever
+bounds the lead; never while ``WINDOW_MIN_AHEAD`` accesses or fewer are ahead), then refills it at once,
+and fills the tiers a window of ``BULK_FILES`` at a time once the last one landed, so that a fetch thread
 finds a window of queued fetches to ask for in one request (:meth:`fsd.data.fetcher.Fetcher.execute`).
 
 Retiring (the release point, the slowest rank's trail less two windows) re-keys residents and
@@ -52,6 +54,8 @@ class Scheduler:
     FILL_INFLIGHT_PER_THREAD = tuning.FILL_INFLIGHT_PER_THREAD
     TASKS_PER_ROUND = tuning.TASKS_PER_ROUND
     REFILL_AT = tuning.REFILL_AT
+    WINDOW_MIN_AHEAD = tuning.WINDOW_MIN_AHEAD
+    BULK_FILES = tuning.BULK_FILES
 
     def __init__(self, guard: CacheGuard, catalog: FileCatalog, staging: Staging, residency: Residency,
                  cursor: PlanCursor, kernel: KernelTier, fetch_threads: int, clock: Callable[[], float]) -> None:
@@ -66,6 +70,7 @@ class Scheduler:
         self.submit: Callable[[Task], None] = lambda t: None  # the prefetcher's (set by the cache)
         self.fills = 0
         self.in_windows = False  # a source that fetches in bulk: the lead is refilled in windows
+        self.fill_cap = self.FILL_INFLIGHT_PER_THREAD * fetch_threads  # most fill fetches in flight now
 
     # ------------------------------------------------------------------ reader progress (guard held)
     def reset(self, pos: int) -> None:
@@ -169,7 +174,12 @@ class Scheduler:
             if cur.head < cur.released:
                 cur.head = cur.released
             tasks = kernel.tasks(plan) if kernel.pushing else []
-            if self.in_windows and cur.head < target and cur.head - est > lead * self.REFILL_AT:
+            # fills in flight: a few per fetch thread; with a bulk source a window at a time
+            self.fill_cap = self.FILL_INFLIGHT_PER_THREAD * self.fetch_threads if not self.in_windows else \
+                self.BULK_FILES if self.staging.fill_inflight == 0 else 0
+            ahead = cur.head - est
+            if self.in_windows and cur.head < target and (ahead > lead * self.REFILL_AT or (
+                    ahead > self.WINDOW_MIN_AHEAD and self.staging.room() < self.staging.capacity * self.REFILL_AT)):
                 return tasks  # refilled in windows: a bulk request per window, not per access
             # Within the fetch lead: everything; up to the push window: resident files (their pushes);
             # beyond both, while the tiers have free room: fill them (resident files pass, others are
@@ -251,7 +261,7 @@ class Scheduler:
         job reads, e.g. while it starts up), not only a time lead ahead of the reader. Bounded in
         flight so that the reader's own fetches and pushes do not queue behind it. Files the plan
         uses no more (kept on the SSD tier, see :meth:`retire`) make way for it."""
-        if fid in self.cursor.last or self.staging.fill_inflight >= self.FILL_INFLIGHT_PER_THREAD * self.fetch_threads:
+        if fid in self.cursor.last or self.staging.fill_inflight >= self.fill_cap:
             return False
         return self.residency.free_room(self.staging.fill_reserved + max(est, 1))
 

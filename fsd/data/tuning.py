@@ -118,7 +118,10 @@ request to start, and readers of its later files waiting for the request rather 
 REFILL_AT = 0.5
 """With a bulk source, the share of the fetch lead left ahead of the readers at which the head refills
 it (in windows of up to ``TASKS_PER_ROUND``): lower is larger windows, and less lead to cover a slow
-request. Staging's room bounds a window too (files wait there for their readers)."""
+request; where staging's room bounds the lead, the same share of staging's room free."""
+WINDOW_MIN_AHEAD = 8
+"""... but the head never waits for a window while this many accesses or fewer are ahead of the readers
+(staging full of files that wait for their readers or for retiring must not hold the head at the reader)."""
 BULK_SCAN = 256
 """Accesses after a fetch's own that are looked at for those fetches (under the lock)."""
 FILL_INFLIGHT_PER_THREAD = 2

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ManualClock
 from test_dataset_cache import Dataset, settle
 
 from fsd.cluster.config import ClusterConfig
@@ -61,10 +62,12 @@ def _cluster(ds: Dataset, tmp_path: Path, cache: DatasetCache, owner: np.ndarray
     return src, peers, servers
 
 
-def _run(ds: Dataset, tmp_path: Path, owner: np.ndarray, serve_ok: bool = True) -> tuple[DatasetCache, dict, dict]:
-    """One epoch in a random order, prefetched through the cluster source and read whole: the cache's
-    fetch stats, the source's counters and each peer's batch calls."""
-    cache = DatasetCache(ds.backend, ram_bytes=2 << 20, staging_fraction=0.9, fetch_threads=2)
+def _run(ds: Dataset, tmp_path: Path, owner: np.ndarray, serve_ok: bool = True,
+         ram_bytes: int = 2 << 20) -> tuple[DatasetCache, dict, dict]:
+    """One epoch in a random order, prefetched through the cluster source and read whole, a read every
+    10 ms of a manual clock: the cache, the source's counters and each peer's batch calls."""
+    clock = ManualClock()
+    cache = DatasetCache(ds.backend, ram_bytes=ram_bytes, staging_fraction=0.9, fetch_threads=2, clock=clock)
     src, peers, servers = _cluster(ds, tmp_path, cache, owner, serve_ok)
     try:
         cache.use_source(src)
@@ -73,6 +76,7 @@ def _run(ds: Dataset, tmp_path: Path, owner: np.ndarray, serve_ok: bool = True) 
         for f in ids.tolist():
             settle(cache)
             assert cache.read(f, 0, 4096) == ds.data[f]
+            clock.advance(0.05)
         return cache, src.counters.snapshot(), {k: c.stats.batches for k, c in peers.clients.items()}
     finally:
         src.close()
@@ -86,7 +90,8 @@ def test_a_fetch_thread_asks_each_owner_for_a_window_in_one_request(ds: Dataset,
     owner = (np.arange(N) % 3).astype(np.int32)  # a third is this node's own
     cache, c, batches = _run(ds, tmp_path, owner)
     remote = int((owner != 0).sum())
-    assert c["peer_files"] == remote and c["fallback_files"] == 0
+    # a sample held up past the hedge bound (a very busy machine) is read from the PFS instead
+    assert c["peer_files"] + c["fallback_files"] == remote and c["peer_files"] >= remote // 2
     assert c["local_files"] == 0 and c["pfs_files"] == N - remote  # its own files: one PFS read each
     # one request per owner for each window of BULK_FILES claimed fetches (a window spans both owners)
     windows = -(-remote // min(tuning.BULK_FILES, remote))
@@ -99,3 +104,13 @@ def test_a_window_the_owners_do_not_deliver_is_read_from_the_pfs_file_by_file(ds
     cache, c, batches = _run(ds, tmp_path, owner, serve_ok=False)
     assert c["peer_files"] == 0 and c["fallback_files"] == N and c["pfs_files"] == N
     assert sum(batches.values()) >= 2
+
+
+def test_where_staging_bounds_the_lead_the_head_still_refills_in_windows(ds: Dataset, tmp_path: Path) -> None:
+    """Staging of ~20 files, 8 of them waiting for retiring: the head waits until half of staging is
+    free, so a request carries two files or more, not one per freed slot (1.1 without the wait)."""
+    owner = np.where(np.arange(N) % 2 == 0, 1, 2).astype(np.int32)
+    cache, c, batches = _run(ds, tmp_path, owner, ram_bytes=48_000)
+    st = cache.stats()["backend"]
+    assert c["peer_files"] + c["fallback_files"] == N
+    assert st["source_files"] == N and st["source_files"] / st["source_requests"] >= 2, st
