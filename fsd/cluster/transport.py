@@ -312,6 +312,7 @@ class PeerClient:
         self.breaker = pybreaker.CircuitBreaker(
             fail_max=BREAKER_FAILS, reset_timeout=backoff_max, name=f"peer-{node}", throw_new_error_on_trip=False,
             exclude=[GeneratorExit, _cancelled])
+        self.closed = False
 
     def hello(self) -> str:
         """Probe the peer (bounded by the connect timeout); returns and records its state."""
@@ -412,6 +413,8 @@ class PeerClient:
 
     def _failed(self, e: grpc.RpcError) -> None:
         code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+        if self.closed and code == grpc.StatusCode.CANCELLED:
+            return  # our own close() ended the call: not the peer's state
         state = _FAILURE_STATES.get(code, st.ERROR)
         detail = f"{code.name}: {e.details() if hasattr(e, 'details') else e}"
         if state in (st.REFUSED, st.PLAN_DIFFERS):
@@ -425,7 +428,8 @@ class PeerClient:
         self.stats.set_state(state, detail)
 
     def close(self) -> None:
-        """Close the channel (running calls are cancelled)."""
+        """Close the channel (running calls are cancelled, and not counted against the peer)."""
+        self.closed = True
         self._channel.close()
 
 

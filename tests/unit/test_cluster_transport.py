@@ -224,6 +224,35 @@ def test_slow_peer_times_out() -> None:
         s.stop(0)
 
 
+def test_closing_the_client_mid_call_is_not_counted_against_the_peer(caplog: pytest.LogCaptureFixture) -> None:
+    """close() at unmount cancels a call in flight: the peer is not logged or counted as failing."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def serve(fid: int, down: frozenset[int]) -> bytes:
+        started.set()
+        release.wait(30)
+        return DATA[fid]
+
+    s = PeerServer("127.0.0.1:0", SECRET, 0, N, serve, fingerprint=FP)
+    s.start()
+    c = _client(s.port, fetch_timeout=30.0)
+    got: dict[int, bytes | None] = {}
+    try:
+        with caplog.at_level(logging.WARNING, logger="fsd.cluster.transport"):
+            t = threading.Thread(target=lambda: got.update(c.fetch([0])))
+            t.start()
+            assert started.wait(30)
+            c.close()
+            t.join(30)
+        assert not t.is_alive() and got == {0: None}  # the PFS, as for any call that did not deliver
+        assert c.stats.errors == 0 and c.stats.state != st.ERROR
+        assert not [r for r in caplog.records if "is error" in r.getMessage()]
+    finally:
+        release.set()
+        s.stop(0)
+
+
 def test_silent_listener_does_not_hang() -> None:
     """A port that accepts TCP but never speaks HTTP/2 (a hung process): the deadline ends it."""
     lsock = socket.socket()
