@@ -23,7 +23,8 @@ bounds the lead; never while ``WINDOW_MIN_AHEAD`` accesses or fewer are ahead), 
 and fills the tiers a window of ``BULK_FILES`` at a time once the last one landed, so that a fetch thread
 finds a window of queued fetches to ask for in one request (:meth:`fsd.data.fetcher.Fetcher.execute`).
 
-Retiring (the release point, the slowest rank's trail less two windows) re-keys residents and
+Retiring (the release point, the slowest rank's trail less ``RELEASE_WINDOWS`` reorder windows; with a
+bulk source ``RELEASE_WINDOWS_BULK``) re-keys residents and
 the kernel tier and admits or drops staged files. A divergence resets the position and stops
 pushing; a resync restarts at the slowest rank and passes the accesses the other ranks had read.
 Guarded by the cache's lock (:mod:`fsd.data.guard`); placement is recomputed outside it.
@@ -56,6 +57,8 @@ class Scheduler:
     REFILL_AT = tuning.REFILL_AT
     WINDOW_MIN_AHEAD = tuning.WINDOW_MIN_AHEAD
     BULK_FILES = tuning.BULK_FILES
+    RELEASE_WINDOWS = tuning.RELEASE_WINDOWS
+    RELEASE_WINDOWS_BULK = tuning.RELEASE_WINDOWS_BULK
 
     def __init__(self, guard: CacheGuard, catalog: FileCatalog, staging: Staging, residency: Residency,
                  cursor: PlanCursor, kernel: KernelTier, fetch_threads: int, clock: Callable[[], float]) -> None:
@@ -160,7 +163,8 @@ class Scheduler:
             if self.guard.closed or plan is None or tr is None or tr.state != SYNCED:
                 return []
             now = self.clock()
-            self.retire(max(0, tr.trail - 2 * plan.window))
+            self.retire(max(0, tr.trail - (self.RELEASE_WINDOWS_BULK if self.in_windows else self.RELEASE_WINDOWS)
+                            * plan.window))
             kernel.release_ranks(plan, tr)
             if not tr.followed():
                 return []  # a plan the reads do not follow: nothing fetched or pushed ahead

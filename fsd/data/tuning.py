@@ -124,6 +124,14 @@ WINDOW_MIN_AHEAD = 8
 (staging full of files that wait for their readers or for retiring must not hold the head at the reader)."""
 BULK_SCAN = 256
 """Accesses after a fetch's own that are looked at for those fetches (under the lock)."""
+RELEASE_WINDOWS = 2
+"""Reorder windows the release point trails the slowest reader by: what is staged for the accesses in
+between stays (a DataLoader worker may read them late, or re-read a lost push)."""
+RELEASE_WINDOWS_BULK = 0
+"""The same with a bulk source (cluster peers): staging holds the next windows rather than copies of
+files read (at ``tools/bench-cluster --quick``'s budget two windows of them, 6.4 MB, filled its 3.9 MB
+and no window formed); a late or lost read is fetched from its owner again. 0: 4.4 samples a call
+against 1.5, daemon CPU a moved sample 800-1000 µs against 1380-1730 (4 pairs, 12-07)."""
 FILL_INFLIGHT_PER_THREAD = 2
 """Tier fills in flight per fetch thread: more overlaps I/O, and holds more staging."""
 TASKS_PER_ROUND = 64

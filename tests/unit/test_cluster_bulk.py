@@ -107,10 +107,11 @@ def test_a_window_the_owners_do_not_deliver_is_read_from_the_pfs_file_by_file(ds
 
 
 def test_where_staging_bounds_the_lead_the_head_still_refills_in_windows(ds: Dataset, tmp_path: Path) -> None:
-    """Staging of ~20 files, 8 of them waiting for retiring: the head waits until half of staging is
-    free, so a request carries two files or more, not one per freed slot (1.1 without the wait)."""
+    """Staging of ~20 files: what was read leaves it at once (the release point at the reader) and the
+    head waits until half of it is free, so a request carries 4 files or more, not one per freed slot
+    (5.2 here; 2.35 with two reorder windows of read files kept, 1.1 without the wait either)."""
     owner = np.where(np.arange(N) % 2 == 0, 1, 2).astype(np.int32)
     cache, c, batches = _run(ds, tmp_path, owner, ram_bytes=48_000)
     st = cache.stats()["backend"]
     assert c["peer_files"] + c["fallback_files"] == N
-    assert st["source_files"] == N and st["source_files"] / st["source_requests"] >= 2, st
+    assert st["source_files"] == N and st["source_files"] / st["source_requests"] >= 4, st
