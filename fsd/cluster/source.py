@@ -350,28 +350,32 @@ class ClusterSource:
         while len(self._maps) > MAPS_MAX:
             del self._maps[next(k for k in self._maps if k)]
 
-    def owner_map(self, down: frozenset[int], for_peer: bool = False) -> Ownership | None:
-        """The owner map with the nodes of *down* down if it is computed; else the map with every node up,
-        or for a set a peer named (*for_peer*) None, the set then queued for the membership thread."""
+    def owner_map(self, down: frozenset[int]) -> Ownership | None:
+        """The owner map with the nodes of *down* (a set a peer named) down if it is computed, else None,
+        the set then queued for the membership thread; with none down, or no re-owning, the map with
+        every node up."""
         got = self._maps.get(down)
         if got is not None or self.reown is None or not down:
             return got if got is not None else self.own
-        if not for_peer:
-            return self.own
         with self._want_lock:
             if down not in self._wanted and len(self._wanted) < MAPS_MAX:
                 self._wanted[down] = None
         return None
 
     # ------------------------------------------------------------------ this node's fetches
+    def _fetch_map(self) -> Ownership:
+        """The owner map this node's own fetches follow: the one for the peers it takes as down, once
+        the membership thread computed it, else the map with every node up."""
+        return self._maps.get(self._down, self.own)
+
     def bulk(self, fid: int) -> bool:
         """Whether *fid* is fetched from a peer (asked for in bulk: :meth:`read_many`)."""
-        own = self._maps.get(self._down, self.own)
+        own = self._fetch_map()
         return not self.closed and 0 <= fid < len(own.owner) and int(own.owner[fid]) in self.queues
 
     def read(self, fid: int) -> bytes:
         """The whole of file *fid* for the dataset cache (fetch thread; OSError like a PFS read)."""
-        own = self.owner_map(self._down) or self.own
+        own = self._fetch_map()
         owner = self._owner_of(own, fid)
         q = self.queues.get(owner)
         if q is None or self.closed:
@@ -382,7 +386,7 @@ class ClusterSource:
         """Each of *fids* once, in their order, as ``(fid, bytes)``, or ``(fid, None)`` for one that
         could not be read at all (logged): every owner's files are asked for at once, in one request
         where the batch bound allows, before the first is waited for."""
-        own = self.owner_map(self._down) or self.own
+        own = self._fetch_map()
         owners = [self._owner_of(own, f) for f in fids]
         slots: dict[int, _Slot] = {}
         if not self.closed:
@@ -414,11 +418,15 @@ class ClusterSource:
 
     def _read_here(self, own: Ownership, fid: int, owner: int) -> bytes:
         """*fid* read by this node: its own (share, or the PFS once), else a fallback read of the PFS."""
-        if owner == self.node:
-            (data, _), local = self._owned(fid, own, for_peer=False)
-            if local:
-                self.counters.add(local_bytes=len(data), local_files=1)
-            return data
+        if owner != self.node:
+            return self._fallback(fid)
+        (data, _), local = self._owned(fid, own, for_peer=False)
+        if local:
+            self.counters.add(local_bytes=len(data), local_files=1)
+        return data
+
+    def _fallback(self, fid: int) -> bytes:
+        """Another node's *fid* read from the PFS (it did not deliver, or has no queue here)."""
         data = self.pfs.read_file(fid)
         self.counters.add(pfs_bytes=len(data), pfs_files=1, fallback_bytes=len(data), fallback_files=1)
         return data
@@ -431,7 +439,7 @@ class ClusterSource:
                         owner, len(data), int(self.sizes[fid]))
             data = None
         if data is None:
-            return self._read_here(self.own, fid, -1)
+            return self._fallback(fid)
         self.counters.add(peer_bytes=len(data), peer_files=1)
         return data
 
@@ -504,7 +512,7 @@ class ClusterSource:
         answered missing (closed, an id or node past the plan, a down set whose map is not computed yet)."""
         if self.closed or not 0 <= fid < len(self.own.owner) or any(k >= self.own.nodes for k in down):
             return None
-        return self.owner_map(down - {self.node}, for_peer=True) if down else self.own
+        return self.owner_map(down - {self.node}) if down else self.own
 
     def invalidate(self, fid: int) -> None:
         """The PFS file changed: forget this node's copies."""
