@@ -95,11 +95,11 @@ class Fetcher:
                     return  # a reader (or another fetch's bulk request) took it over
                 f.started = True
                 src = self.source
-                group = self._claim_bulk(t, src) if src is not None and src.bulk(t.fid) else None
-            if group is None:
+                bulk = (self._claim_bulk(t, src), src) if src is not None and src.bulk(t.fid) else None
+            if bulk is None:
                 self.run_fetch(t)
             else:
-                self._run_bulk(group, src)  # type: ignore[arg-type]
+                self._run_bulk(*bulk)
         elif t.kind == "ssd":
             path, data, gen = t.ref  # type: ignore[misc]
             self.write_ssd(t.fid, path, data, gen)
@@ -135,10 +135,10 @@ class Fetcher:
             for fid, data in src.read_many(list(group)):
                 t = left.pop(fid, None)
                 if t is not None:
-                    self._settle(t, data, True, None, True, False)
+                    self._settle(t, data, may_push=True, then=None, via_source=True, alone=False)
         finally:
             for t in left.values():
-                self._settle(t, None, True, None, True, False)
+                self._settle(t, None, may_push=True, then=None, via_source=True, alone=False)
 
     # ------------------------------------------------------------------ reads
     def memory_copy(self, fid: int) -> bytes | None:
@@ -277,14 +277,7 @@ class Fetcher:
             f = t.ref
             assert isinstance(f, Fetch)
             mine = self.staging.settle(fid, f) and f.gen == self.catalog.gen(fid)
-            if via_source:
-                self.source_files += 1
-                self.source_requests += int(alone)
-            if data is not None and via_source:
-                self.source_bytes += len(data)
-            elif data is not None:
-                self.backend_bytes += len(data)
-                self.backend_reads += 1
+            self._count(data, via_source, alone)
             if not mine or data is None or self.guard.closed:
                 f.event.set()
                 self.guard.notify_all()
@@ -332,6 +325,20 @@ class Fetcher:
             self.kernel.push(fid, push_pos, data)
         return data
 
+    def _count(self, data: bytes | None, via_source: bool, alone: bool = True) -> None:
+        """A fetch's traffic (guard held): through the source (a file of a request of its own, or of a
+        bulk request, *alone* False), or one backend read; *data* None: it failed."""
+        if via_source:
+            self.source_files += 1
+            self.source_requests += int(alone)
+        if data is None:
+            return
+        if via_source:
+            self.source_bytes += len(data)
+        else:
+            self.backend_bytes += len(data)
+            self.backend_reads += 1
+
     def write_ssd(self, fid: int, path: str, data: bytes, gen: int, pin: bool = False) -> bool:
         """Write *fid*'s bytes to its reserved SSD-tier file; commit it if still wanted (*pin*: pinned
         there, :meth:`fsd.data.residency.Residency.pin`). Whether it was."""
@@ -368,13 +375,7 @@ class Fetcher:
         data = src.read(fid) if src is not None else self.backend.read_file(fid)
         ssd_path = None
         with self.guard:
-            if src is not None:
-                self.source_bytes += len(data)
-                self.source_requests += 1
-                self.source_files += 1
-            else:
-                self.backend_bytes += len(data)
-                self.backend_reads += 1
+            self._count(data, src is not None)
             self.demand_reads += 1
             plan = cur.plan
             busy = fid in self.residency or self.staging.busy(fid)

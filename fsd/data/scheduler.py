@@ -178,9 +178,12 @@ class Scheduler:
             if cur.head < cur.released:
                 cur.head = cur.released
             tasks = kernel.tasks(plan) if kernel.pushing else []
-            # fills in flight: a few per fetch thread; with a bulk source a window at a time
-            self.fill_cap = self.FILL_INFLIGHT_PER_THREAD * self.fetch_threads if not self.in_windows else \
-                self.BULK_FILES if self.staging.fill_inflight == 0 else 0
+            # fills in flight: a few per fetch thread; with a bulk source a window at a time, the next
+            # once the last one landed (kept for the round: the window opens at its start)
+            if not self.in_windows:
+                self.fill_cap = self.FILL_INFLIGHT_PER_THREAD * self.fetch_threads
+            else:
+                self.fill_cap = self.BULK_FILES if self.staging.fill_inflight == 0 else 0
             ahead = cur.head - est
             if self.in_windows and cur.head < target and (ahead > lead * self.REFILL_AT or (
                     ahead > self.WINDOW_MIN_AHEAD and self.staging.room() < self.staging.capacity * self.REFILL_AT)):
