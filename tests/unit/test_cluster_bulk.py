@@ -4,27 +4,22 @@ real dataset cache driven step by step). The bytes land in staging reserved for 
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import ManualClock
+from test_cluster_source import _peers, _port, _serving, _source
 from test_dataset_cache import Dataset, settle
 
-from fsd.cluster.config import ClusterConfig
-from fsd.cluster.ownership import Ownership
-from fsd.cluster.source import ClusterSource, SourceCounters
-from fsd.cluster.stores import RecentBuffer, TierShare
+from fsd.cluster.source import ClusterSource
 from fsd.cluster.transport import PeerServer, Peers
 from fsd.data import tuning
 from fsd.data.cache import DatasetCache
 from fsd.plan.access_stream import NodeStream
 
 pytestmark = pytest.mark.timeout(120)
-SECRET = b"bulk-test-secret"
-FP = "b" * 64
 N = 120
 
 
@@ -35,31 +30,14 @@ def ds(tmp_path: Path) -> Iterator[Dataset]:
     d.close()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cluster(ds: Dataset, tmp_path: Path, cache: DatasetCache, owner: np.ndarray,
              serve_ok: bool = True) -> tuple[ClusterSource, Peers, list[PeerServer]]:
     """Node 0 (this cache) and two peers that serve their files from the dataset's bytes (or, with
     *serve_ok* False, answer every file missing)."""
     ports = [_port() for _ in range(3)]
-    servers = []
-    for k in (1, 2):
-        s = PeerServer(f"127.0.0.1:{ports[k]}", SECRET, k, n_files=N, fingerprint=FP,
-                       serve=lambda i, down: ds.data[i] if serve_ok else None)
-        s.start()
-        servers.append(s)
-    cfg = ClusterConfig(index=0, nodes=tuple(f"127.0.0.1:{p}" for p in ports), secret_file=tmp_path / "s",
-                        secret=SECRET, listen=f"127.0.0.1:{ports[0]}", fetch_timeout=20.0, connect_timeout=2.0,
-                        backoff_max=2.0, max_batch=256)
-    peers = Peers(cfg, FP)
-    src = ClusterSource(0, Ownership(owner=owner, cached=np.zeros(N, bool), nodes=3), ds.sizes, ds.backend,
-                        peers, TierShare(cache, 0), RecentBuffer(), SourceCounters(), fetch_timeout=20.0,
-                        connect_timeout=2.0, max_batch=256)
-    return src, peers, servers
+    servers = _serving(ports, (1, 2), N, lambda i, down: ds.data[i] if serve_ok else None)
+    peers = _peers(tmp_path, ports, fetch_timeout=20.0, max_batch=256)
+    return _source(tmp_path, peers, owner, ds, pfs=ds.backend, tiers=cache), peers, servers
 
 
 def _run(ds: Dataset, tmp_path: Path, owner: np.ndarray, serve_ok: bool = True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +14,8 @@ import numpy as np
 from fsd.cluster.config import ClusterConfig
 from fsd.cluster.ownership import Ownership
 from fsd.cluster.source import BATCH_THREADS, ClusterSource, SourceCounters
-from fsd.cluster.stores import RecentBuffer, TierShare
-from fsd.cluster.transport import PeerServer, Peers
+from fsd.cluster.stores import OwnedTiers, PfsFiles, RecentBuffer, TierShare
+from fsd.cluster.transport import PeerServer, Peers, ServeFn
 from fsd.data.cache import DatasetCache, open_backend
 
 SECRET = b"source-test-secret"
@@ -49,18 +50,41 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _serving(ports: list[int], nodes: Iterable[int], n: int, serve: ServeFn) -> list[PeerServer]:
+    """Started peer servers of *nodes* (on their *ports*) for *n* files, answering with *serve*."""
+    servers = []
+    for k in nodes:
+        s = PeerServer(f"127.0.0.1:{ports[k]}", SECRET, k, n_files=n, fingerprint=FP, serve=serve)
+        s.start()
+        servers.append(s)
+    return servers
+
+
+def _peers(tmp_path: Path, ports: list[int], fetch_timeout: float = 5.0, max_batch: int = 16) -> Peers:
+    """Node 0's clients of the nodes on *ports* (its own first)."""
+    cfg = ClusterConfig(index=0, nodes=tuple(f"127.0.0.1:{p}" for p in ports), secret_file=tmp_path / "s",
+                        secret=SECRET, listen=f"127.0.0.1:{ports[0]}", fetch_timeout=fetch_timeout,
+                        connect_timeout=1.0, backoff_max=2.0, max_batch=max_batch)
+    return Peers(cfg, FP)
+
+
+def _source(tmp_path: Path, p: Peers, owner: np.ndarray, files: Files, *, pfs: PfsFiles | None = None,
+            tiers: OwnedTiers | None = None, reown=None) -> ClusterSource:
+    """Node 0's source over *files* (their sizes; read from *pfs*, default *files*), with the owner map
+    *owner* of as many nodes as *p* has clients plus one, and a share of capacity 0 in *tiers*."""
+    cfg = p.cfg
+    return ClusterSource(0, Ownership(owner=owner, cached=np.zeros(len(owner), bool), nodes=cfg.size),
+                         np.array([len(d) for d in files.data]), files if pfs is None else pfs, p,
+                         TierShare(_tiers(tmp_path) if tiers is None else tiers, 0), RecentBuffer(),
+                         SourceCounters(), fetch_timeout=cfg.fetch_timeout, connect_timeout=cfg.connect_timeout,
+                         max_batch=cfg.max_batch, reown=reown)
+
+
 def _node0(tmp_path: Path, ports: list[int], owner: np.ndarray, files: Files, fetch_timeout: float = 5.0,
            reown=None) -> tuple[Peers, ClusterSource]:
     """Node 0's peers and source over *files*, with the owner map *owner* of ``len(ports)`` nodes."""
-    cfg = ClusterConfig(index=0, nodes=tuple(f"127.0.0.1:{p}" for p in ports), secret_file=tmp_path / "s",
-                        secret=SECRET, listen=f"127.0.0.1:{ports[0]}", fetch_timeout=fetch_timeout,
-                        connect_timeout=1.0, backoff_max=2.0, max_batch=16)
-    p = Peers(cfg, FP)
-    src = ClusterSource(0, Ownership(owner=owner, cached=np.zeros(len(owner), bool), nodes=len(ports)),
-                        np.array([len(d) for d in files.data]), files, p, TierShare(_tiers(tmp_path), 0), RecentBuffer(),
-                        SourceCounters(), fetch_timeout=fetch_timeout, connect_timeout=1.0, max_batch=16,
-                        reown=reown)
-    return p, src
+    p = _peers(tmp_path, ports, fetch_timeout)
+    return p, _source(tmp_path, p, owner, files, reown=reown)
 
 
 def test_reads_through_many_peers_are_exact_on_a_bounded_pool(tmp_path: Path) -> None:
@@ -68,22 +92,11 @@ def test_reads_through_many_peers_are_exact_on_a_bounded_pool(tmp_path: Path) ->
     files = Files(n)
     owner = (np.arange(n) % (peers + 1)).astype(np.int32)  # node 0 is this one
     ports = [_port() for _ in range(peers + 1)]
-    servers = []
-    for k in range(1, peers + 1):
-        if k == peers:
-            continue  # the last peer is down: its files come from the PFS
-        s = PeerServer(f"127.0.0.1:{ports[k]}", SECRET, k, n_files=n, fingerprint=FP,
-                       serve=lambda i, down: files.data[i])
-        s.start()
-        servers.append(s)
-    cfg = ClusterConfig(index=0, nodes=tuple(f"127.0.0.1:{p}" for p in ports), secret_file=tmp_path / "s",
-                        secret=SECRET, listen=f"127.0.0.1:{ports[0]}", fetch_timeout=5.0, connect_timeout=1.0,
-                        backoff_max=2.0, max_batch=16)
-    p = Peers(cfg, FP)
+    # the last peer is down: its files come from the PFS
+    servers = _serving(ports, range(1, peers), n, lambda i, down: files.data[i])
+    p = _peers(tmp_path, ports)
     before = threading.active_count()
-    src = ClusterSource(0, Ownership(owner=owner, cached=np.zeros(n, bool), nodes=peers + 1),
-                        np.array([len(d) for d in files.data]), files, p, TierShare(_tiers(tmp_path), 0), RecentBuffer(),
-                        SourceCounters(), fetch_timeout=5.0, connect_timeout=1.0, max_batch=16)
+    src = _source(tmp_path, p, owner, files)
     try:
         # a bounded pool of batch threads and one membership thread, whatever the number of peers
         assert threading.active_count() - before == len(src.batcher.threads) + 1 == BATCH_THREADS * peers + 1
