@@ -55,9 +55,8 @@ log = logging.getLogger(__name__)
 MAX_NODES = 1 << 16
 MAX_SECRET_BYTES = 4096
 KEYS = ("node", "nodes", "port", "listen", "secret_file", "fetch_timeout", "connect_timeout", "listing_wait",
-        "backoff_max",
-        "max_batch", "capacity", "node_ranks", "metrics", "tls_cert", "tls_key", "tls_ca", "replicas", "fsync",
-        "replica_timeout", "replica_room", "ckpt_port_offset")
+        "backoff_max", "max_batch", "capacity", "node_ranks", "metrics", "tls_cert", "tls_key", "tls_ca", "replicas",
+        "fsync", "replica_timeout", "replica_room", "ckpt_port_offset")
 FSYNC_LEVELS = ("local", "replicated")
 TLS_KEYS = ("tls_cert", "tls_key", "tls_ca")
 MAX_PEM_BYTES = 1 << 20
