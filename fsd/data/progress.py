@@ -52,6 +52,12 @@ Divergence and back-off
     ``beacon_every``: the spacing alone would let a wrong plan over a small dataset fit anywhere),
     switch back to ``synced`` there, re-anchoring the ranks that read there. A reader that skipped
     ahead, or a job restarted from a checkpoint while the mount stayed up, is picked up again.
+
+Readers that read on unseen
+    A page-cache-hot reader that opens without ``isatty()`` sends nothing while the kernel holds
+    every file; when pages are lost its reads arrive again, epochs past where it was last seen.
+    ``RESYNC_MATCHES`` unmatched reads that fit one single place ahead of their ranks' fronts move
+    those fronts there before they add up to a divergence (:meth:`_skip`, counted as ``skips``).
 """
 
 from __future__ import annotations
@@ -62,8 +68,9 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from fsd.data import tuning
-from fsd.data.tuning import (CONTINUE_BYTES, CONTINUE_S, DIV_THRESHOLD, DIV_WINDOW, MAX_ANCHORS, PROBATION,
-                             READING_MAX, RESYNC_MATCHES)
+from fsd.data.run_fit import fit_run
+from fsd.data.tuning import (CONTINUE_BYTES, CONTINUE_S, DIV_THRESHOLD, DIV_WINDOW, PROBATION, READING_MAX,
+                             RESYNC_MATCHES, SKIP_SPAN)
 from fsd.plan.access_stream import rank_values
 from fsd.plan.belady import NEVER, FileIndex
 
@@ -133,6 +140,11 @@ class ProgressTracker:
         self.inferred = 0  # ... whose rank was inferred
         self.divergences = 0
         self.resyncs = 0
+        self.skips = 0  # times the readers were found to have read on unseen (:meth:`_skip`)
+        # the latest unmatched reads while synced: (file, rank, the count of new reads when it came)
+        self._skip_reads: deque[tuple[int, int | None, int]] = deque(maxlen=RESYNC_MATCHES)
+        lengths = np.diff(self._bounds)
+        self._shortest_epoch = int(lengths.min()) if len(lengths) else 0
         self.placed = 0  # fronts put where a rank is known to be (put)
         # while diverged: the latest reads (file, whether an observed rank's front explained it), the
         # newest file none explained, and how many reads in a row were explained
@@ -379,6 +391,12 @@ class ProgressTracker:
             self._took(fid, q, off, size, now, rank)
             return q
         self.mismatched += 1
+        self._skip_reads.append((fid, rank, self.by_rank + self.inferred))
+        q = self._skip(now)
+        if q is not None:
+            self.last_predicted = True
+            self._took(fid, q, off, size, now, rank)
+            return q
         lo = max(0, self.trail - 2 * self.window)
         p = self.index.positions(fid)
         k = int(np.searchsorted(p, lo))
@@ -471,53 +489,68 @@ class ProgressTracker:
         # covers over the run (at most the beacon spacing); the spacing alone covers a small plan
         span = now - self._div_reads[0][2]
         tol = 2 * self.window + int(min(float(self.beacon_every or 0), 2.0 * max(self.rate, 0.0) * span))
-        anchors = self.index.positions(self._unexplained)[:MAX_ANCHORS]  # its accesses by any rank
-        near: list[np.ndarray] = []  # per recent read: its access near each anchor, or -1
-        fits = np.zeros(len(anchors), dtype=np.int64)
-        alone = np.zeros(len(anchors), dtype=np.int64)  # of the fits, reads no front explained
-        for f, explained, _, r in self._div_reads:
-            p = self.index.positions(f)
-            if r is not None and self.rank_of is not None:
-                p = p[self.rank_of[p] == r]
-                if not len(p):
-                    near.append(np.full(len(anchors), -1, dtype=np.int64))
-                    continue
-            k = np.minimum(np.searchsorted(p, anchors - tol, side="left"), len(p) - 1)
-            ok = np.abs(p[k] - anchors) <= tol
-            near.append(np.where(ok, p[k], -1))
-            fits += ok
-            if not explained:
-                alone += ok
-        good = np.flatnonzero((fits >= RESYNC_MATCHES) & (2 * alone > RESYNC_MATCHES))
-        if not len(good):
+        run = [(f, e, r) for f, e, _, r in self._div_reads]
+        got = fit_run(self.index, self.rank_of, self.fronts, self.front, run, self._unexplained, tol)
+        if got is None:
             return None
-        old = max(self.front, 0)
-        j = int(min(good.tolist(), key=lambda i: (abs(int(anchors[i]) - old), int(anchors[i]))))
-        anchor = int(anchors[j])
-        last: dict[int, int] = {}  # rank -> its last access in the run
-        for acc in near:
-            a = int(acc[j])
-            if a >= 0:
-                r = self.rank_at(a)
-                last[r] = max(last.get(r, a), a)
-        for r, a in last.items():
-            self.fronts[r] = a
-            self._hist[r] = deque([a], maxlen=tuning.FRONT_HISTORY)
-            self._top[r], self._t_rank[r] = a, now
-            self._plausible[r] = deque([a], maxlen=tuning.FRONT_HISTORY)
+        anchor, near = got
+        self._reanchor(near, now)
         self.fronts = [f if f >= 0 else anchor for f in self.fronts]
         self._taken.clear()  # the readers may read those accesses again (a job restarted)
         self._reading.clear()
         self.last_predicted = True
         self._synced(now)
         log.warning("reads match the plan again at position %d; prefetch resumed", anchor)
-        cur = int(near[-1][j])
-        return cur if cur >= 0 else None
+        return near[-1] if near[-1] >= 0 else None
+
+    def _reanchor(self, near: list[int], now: float, ahead: bool = False) -> None:
+        """Each rank with accesses among *near* is at its last one (the other ranks keep their fronts);
+        with *ahead*, only a rank whose front that is past."""
+        last: dict[int, int] = {}  # rank -> its last access in the run
+        for a in near:
+            if a >= 0:
+                r = self.rank_at(a)
+                last[r] = max(last.get(r, a), a)
+        for r, a in last.items():
+            if ahead and a <= self.fronts[r]:
+                continue
+            self.fronts[r] = a
+            self._hist[r] = deque([a], maxlen=tuning.FRONT_HISTORY)
+            self._top[r], self._t_rank[r] = a, now
+            self._plausible[r] = deque([a], maxlen=tuning.FRONT_HISTORY)
+
+    def _skip(self, now: float) -> int | None:
+        """A mismatch while synced: if ``RESYNC_MATCHES`` unmatched reads came among the last
+        ``2*RESYNC_MATCHES`` new reads and fit one single place ahead of their ranks' fronts (within
+        ``2*window`` + ``SKIP_SPAN``, less than half the shortest epoch: the place must tell the epoch),
+        the readers read on unseen (a page-cache-hot reader that opens without ``isatty()`` sends
+        nothing for whole epochs, and its reads arrive again when pages are lost): their fronts move
+        there, without a divergence. The mismatches stay counted, so a wrong plan still diverges.
+        Returns the newest read's access."""
+        tol = 2 * self.window + SKIP_SPAN
+        if (len(self._skip_reads) < RESYNC_MATCHES or 2 * tol >= self._shortest_epoch
+                or self.by_rank + self.inferred - self._skip_reads[0][2] >= 2 * RESYNC_MATCHES):
+            return None
+        run = [(f, False, r) for f, r, _ in self._skip_reads]
+        got = fit_run(self.index, self.rank_of, self.fronts, self.front, run, run[-1][0], tol, unique_ahead=True)
+        if got is None:
+            return None
+        anchor, near = got
+        self._reanchor(near, now, ahead=True)
+        self._skip_reads.clear()
+        self.skips += 1
+        self.front = max(self.front, *self.fronts)
+        self.trail = min(f for f in self.fronts if f >= 0)
+        self.t_front = now
+        self._rate_pos, self._rate_t = self.front, now
+        log.info("the readers read on unseen: fronts moved to %s (position %d)", self.fronts[:8], anchor)
+        return near[-1] if near[-1] >= 0 else None
 
     def _synced(self, now: float) -> None:
         """Back to ``synced`` with the current fronts; the count of reads this resync holds for restarts
         (:meth:`followed`: on probation if the one before did not hold)."""
         self.state = SYNCED
+        self._skip_reads.clear()
         self._since_sync = 0
         self.resyncs += 1
         self.recent.clear()
@@ -548,6 +581,7 @@ class ProgressTracker:
             "attribution": self.attribution(),
             "divergences": self.divergences,
             "resyncs": self.resyncs,
+            "skips": self.skips,
             "fronts_put": self.placed,
             "trusted": self.followed(),
         }

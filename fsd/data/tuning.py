@@ -15,6 +15,10 @@ DIV_THRESHOLD = 12
 and more often on a right plan whose readers drift (a false divergence costs the pushes of an epoch)."""
 RESYNC_MATCHES = 8
 """Consistent reads in a row that end a divergence: fewer resume sooner, and may resume on a coincidence."""
+SKIP_SPAN = 256
+"""Accesses a run of ``RESYNC_MATCHES`` unmatched reads may spread over (beyond two reorder windows) and
+still be one place ahead that the readers reached unseen: wider finds the sparse reads of a partial
+page-cache loss, narrower tells a small plan's epochs apart (a run that fits two places is no skip)."""
 PROBATION = 2 * DIV_WINDOW
 """Matched reads a resync must hold for before the next one is trusted at once."""
 MAX_ANCHORS = 4096

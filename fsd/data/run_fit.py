@@ -1,0 +1,53 @@
+"""Where a run of reads fits the plan: the search behind a resync and a skip (:mod:`fsd.data.progress`).
+
+Pure: it reads the plan's index and the tracker's fronts and changes nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fsd.data.tuning import MAX_ANCHORS, RESYNC_MATCHES
+from fsd.plan.belady import FileIndex
+
+
+def fit_run(index: FileIndex, rank_of: np.ndarray | None, fronts: list[int], front: int,
+            reads: list[tuple[int, bool, int | None]], newest: int, tol: int,
+            unique_ahead: bool = False) -> tuple[int, list[int]] | None:
+    """Where a run of *reads* (file, whether a front explained it, dense rank or None) fits the plan:
+    ``(anchor, each read's access there or -1)``, or None.
+
+    Anchors are the accesses of *newest* (a file no front explains); one fits where
+    ``RESYNC_MATCHES`` of the reads have an access within *tol* of it, more than half of them reads
+    no front explained. A read that named its rank fits only at that rank's accesses (*rank_of*:
+    each access's dense rank). Of the anchors that fit, the one nearest *front* (the leading one) wins; with
+    *unique_ahead*, only anchors past their rank's front count, and only a single one that fits is
+    taken (a skip must not guess between epochs)."""
+    anchors = index.positions(newest)[:MAX_ANCHORS]  # its accesses by any rank
+    if unique_ahead:
+        fr = np.asarray(fronts, dtype=np.int64)
+        anchors = anchors[anchors > (fr[rank_of[anchors]] if rank_of is not None else fr[0])]
+        if not len(anchors):
+            return None
+    near: list[np.ndarray] = []  # per read: its access near each anchor, or -1
+    fits = np.zeros(len(anchors), dtype=np.int64)
+    alone = np.zeros(len(anchors), dtype=np.int64)  # of the fits, reads no front explained
+    for f, explained, r in reads:
+        p = index.positions(f)
+        if r is not None and rank_of is not None:
+            p = p[rank_of[p] == r]
+            if not len(p):
+                near.append(np.full(len(anchors), -1, dtype=np.int64))
+                continue
+        k = np.minimum(np.searchsorted(p, anchors - tol, side="left"), len(p) - 1)
+        ok = np.abs(p[k] - anchors) <= tol
+        near.append(np.where(ok, p[k], -1))
+        fits += ok
+        if not explained:
+            alone += ok
+    good = np.flatnonzero((fits >= RESYNC_MATCHES) & (2 * alone > RESYNC_MATCHES))
+    if not len(good) or unique_ahead and len(good) > 1:
+        return None
+    old = max(front, 0)
+    j = int(min(good.tolist(), key=lambda i: (abs(int(anchors[i]) - old), int(anchors[i]))))
+    return int(anchors[j]), [int(acc[j]) for acc in near]
