@@ -45,7 +45,7 @@ def test_bench_cluster_direct_and_local_end_to_end(tmp_path: Path) -> None:
     files, epochs = 192, 3
     p = subprocess.run([str(REPO / "tools/bench-cluster"), "--quick", "--nodes", "1,2", "--ways", "direct,local",
                         "--files", str(files), "--epochs", str(epochs), "--compute-ms", "30", "--link-samples", "200",
-                        "--budget-frac", "0.6",
+                        "--budget-frac", "0.6", "--pfs-read-bps", "24M",
                         "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=190, cwd=tmp_path, env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert p.returncode == 0, p.stderr[-3000:]
