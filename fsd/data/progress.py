@@ -56,8 +56,9 @@ Divergence and back-off
 Readers that read on unseen
     A page-cache-hot reader that opens without ``isatty()`` sends nothing while the kernel holds
     every file; when pages are lost its reads arrive again, epochs past where it was last seen.
-    ``RESYNC_MATCHES`` unmatched reads that fit one single place ahead of their ranks' fronts move
-    those fronts there before they add up to a divergence (:meth:`_skip`, counted as ``skips``).
+    ``RESYNC_MATCHES`` unmatched reads among ``2*RESYNC_MATCHES`` that fit one single place ahead of
+    their ranks' fronts move those fronts there before they add up to a divergence (:meth:`_skip`,
+    counted as ``skips``).
 """
 
 from __future__ import annotations
