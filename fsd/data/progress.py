@@ -56,7 +56,7 @@ Divergence and back-off
 Readers that read on unseen
     A page-cache-hot reader that opens without ``isatty()`` sends nothing while the kernel holds
     every file; when pages are lost its reads arrive again, epochs past where it was last seen.
-    ``RESYNC_MATCHES`` unmatched reads among ``2*RESYNC_MATCHES`` that fit one single place ahead of
+    ``RESYNC_MATCHES`` unmatched reads among ``DIV_WINDOW`` that fit one single place ahead of
     their ranks' fronts move those fronts there before they add up to a divergence (:meth:`_skip`,
     counted as ``skips``).
 """
@@ -144,8 +144,8 @@ class ProgressTracker:
         self.skips = 0  # times the readers were found to have read on unseen (:meth:`_skip`)
         # the latest unmatched reads while synced: (file, rank, the count of new reads when it came)
         self._skip_reads: deque[tuple[int, int | None, int]] = deque(maxlen=RESYNC_MATCHES)
-        lengths = np.diff(self._bounds)
-        self._shortest_epoch = int(lengths.min()) if len(lengths) else 0
+        # a place narrow enough to tell epochs apart needs them (without bounds, or with one epoch: no skip)
+        self._shortest_epoch = int(np.diff(self._bounds).min()) if len(self._bounds) > 2 else 0
         self.placed = 0  # fronts put where a rank is known to be (put)
         # while diverged: the latest reads (file, whether an observed rank's front explained it), the
         # newest file none explained, and how many reads in a row were explained
@@ -469,7 +469,9 @@ class ProgressTracker:
         (reads of a rank that did not diverge may come between). Of the places that fit, the one
         nearest the old front wins: each rank with reads there is re-anchored at its last one, the
         other ranks keep their fronts (a rank that did not go back with the others). A read that
-        named its rank is only ever placed at that rank's accesses."""
+        named its rank is only ever placed at that rank's accesses. The run is first placed as a skip
+        is (:meth:`_skip`: one single place within the narrow width, anywhere in the plan), which tells
+        epochs apart where the rate's width would let every epoch of a small plan fit."""
         q, rnd = self._match(fid, now, max_jump, unseen=False, rank=rank)
         self._div_reads.append((fid, q != NEVER, now, rank))
         if q != NEVER:
@@ -491,7 +493,12 @@ class ProgressTracker:
         span = now - self._div_reads[0][2]
         tol = 2 * self.window + int(min(float(self.beacon_every or 0), 2.0 * max(self.rate, 0.0) * span))
         run = [(f, e, r) for f, e, _, r in self._div_reads]
-        got = fit_run(self.index, self.rank_of, self.fronts, self.front, run, self._unexplained, tol)
+        got = None
+        tight = 2 * self.window + SKIP_SPAN
+        if 2 * tight < self._shortest_epoch:  # one place the run alone names (the loose width can fit any epoch)
+            got = fit_run(self.index, self.rank_of, self.fronts, self.front, run, self._unexplained, tight, unique=True)
+        if got is None:
+            got = fit_run(self.index, self.rank_of, self.fronts, self.front, run, self._unexplained, tol)
         if got is None:
             return None
         anchor, near = got
@@ -522,18 +529,18 @@ class ProgressTracker:
 
     def _skip(self, now: float) -> int | None:
         """A mismatch while synced: if ``RESYNC_MATCHES`` unmatched reads came among the last
-        ``2*RESYNC_MATCHES`` new reads and fit one single place ahead of their ranks' fronts (within
-        ``2*window`` + ``SKIP_SPAN``, less than half the shortest epoch: the place must tell the epoch),
-        the readers read on unseen (a page-cache-hot reader that opens without ``isatty()`` sends
-        nothing for whole epochs, and its reads arrive again when pages are lost): their fronts move
-        there, without a divergence. The mismatches stay counted, so a wrong plan still diverges.
-        Returns the newest read's access."""
+        ``DIV_WINDOW`` new reads (before they can add up to a divergence) and fit one single place
+        ahead of their ranks' fronts (within ``2*window`` + ``SKIP_SPAN``, less than half the
+        shortest epoch: the place must tell the epoch), the readers read on unseen (a page-cache-hot
+        reader that opens without ``isatty()`` sends nothing for whole epochs, and its reads arrive
+        again when pages are lost): their fronts move there, without a divergence. The mismatches
+        stay counted, so a wrong plan still diverges. Returns the newest read's access."""
         tol = 2 * self.window + SKIP_SPAN
         if (len(self._skip_reads) < RESYNC_MATCHES or 2 * tol >= self._shortest_epoch
-                or self.by_rank + self.inferred - self._skip_reads[0][2] >= 2 * RESYNC_MATCHES):
+                or self.by_rank + self.inferred - self._skip_reads[0][2] >= DIV_WINDOW):
             return None
         run = [(f, False, r) for f, r, _ in self._skip_reads]
-        got = fit_run(self.index, self.rank_of, self.fronts, self.front, run, run[-1][0], tol, unique_ahead=True)
+        got = fit_run(self.index, self.rank_of, self.fronts, self.front, run, run[-1][0], tol, ahead=True, unique=True)
         if got is None:
             return None
         anchor, near = got

@@ -12,19 +12,19 @@ from fsd.plan.belady import FileIndex
 
 
 def fit_run(index: FileIndex, rank_of: np.ndarray | None, fronts: list[int], front: int,
-            reads: list[tuple[int, bool, int | None]], newest: int, tol: int,
-            unique_ahead: bool = False) -> tuple[int, list[int]] | None:
+            reads: list[tuple[int, bool, int | None]], newest: int, tol: int, *,
+            ahead: bool = False, unique: bool = False) -> tuple[int, list[int]] | None:
     """Where a run of *reads* (file, whether a front explained it, dense rank or None) fits the plan:
     ``(anchor, each read's access there or -1)``, or None.
 
     Anchors are the accesses of *newest* (a file no front explains); one fits where
     ``RESYNC_MATCHES`` of the reads have an access within *tol* of it, more than half of them reads
     no front explained. A read that named its rank fits only at that rank's accesses (*rank_of*:
-    each access's dense rank). Of the anchors that fit, the one nearest *front* (the leading one) wins; with
-    *unique_ahead*, only anchors past their rank's front count, and only a single one that fits is
-    taken (a skip must not guess between epochs)."""
+    each access's dense rank). Of the anchors that fit, the one nearest *front* (the leading one) wins.
+    With *ahead*, only anchors past their rank's front count; with *unique*, only a single anchor that
+    fits is taken (a place that must not be a guess between epochs)."""
     anchors = index.positions(newest)[:MAX_ANCHORS]  # its accesses by any rank
-    if unique_ahead:
+    if ahead:
         fr = np.asarray(fronts, dtype=np.int64)
         anchors = anchors[anchors > (fr[rank_of[anchors]] if rank_of is not None else fr[0])]
         if not len(anchors):
@@ -46,7 +46,7 @@ def fit_run(index: FileIndex, rank_of: np.ndarray | None, fronts: list[int], fro
         if not explained:
             alone += ok
     good = np.flatnonzero((fits >= RESYNC_MATCHES) & (2 * alone > RESYNC_MATCHES))
-    if not len(good) or unique_ahead and len(good) > 1:
+    if not len(good) or unique and len(good) > 1:
         return None
     old = max(front, 0)
     j = int(min(good.tolist(), key=lambda i: (abs(int(anchors[i]) - old), int(anchors[i]))))

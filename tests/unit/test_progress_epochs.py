@@ -157,3 +157,32 @@ def test_readers_that_read_whole_epochs_unseen_are_found_again_without_a_diverge
     assert divergences == 0, (divergences, wrong[:10])
     first = wrong[0][0] if wrong else 0
     assert all(k < first + 3 * RESYNC_MATCHES * ranks for k, _, _ in wrong), wrong
+
+
+def test_sparse_reads_epochs_ahead_after_a_divergence_are_followed_in_their_own_epoch() -> None:
+    """A divergence (files read again in no order), then reads of epoch 4 arriving a tenth of a second
+    apart (the page cache serves the rest): the rate's width over such a run (the beacon spacing,
+    wider than an epoch) fits every epoch. Within 24 reads the tracker follows them in epoch 4, with
+    no second divergence, and every read after that is matched to its own access."""
+    from fsd.data.progress import SYNCED, ProgressTracker
+    from fsd.plan.belady import FileIndex
+    n, epochs = 1500, 6
+    ids = np.concatenate([np.random.default_rng(e).permutation(n) for e in range(epochs)])
+    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=4096,
+                         epoch_bounds=np.arange(epochs + 1) * n)
+    t = 0.0
+    for q in range(n + n // 2):  # epoch 0 and half of epoch 1, every read seen
+        t += 1e-3
+        tr.observe(int(ids[q]), t, 4096)
+    rng = random.Random(5)
+    for q in rng.sample(range(n, n + n // 2), 16):  # files read again in no order: a divergence
+        t += 1e-3
+        tr.observe(int(ids[q]), t, 4096)
+    assert tr.divergences == 1
+    got = []
+    for q in range(4 * n + 100, 4 * n + 100 + 40 * 8, 8):  # epoch 4, every 8th read, 0.1 s apart
+        t += 0.1
+        got.append((q, tr.observe(int(ids[q]), t, 4096)))
+    assert tr.state == SYNCED and tr.divergences == 1
+    assert 4 * n <= tr.front < 5 * n, tr.front
+    assert [g for _, g in got[24:]] == [q for q, _ in got[24:]], got
