@@ -512,13 +512,15 @@ class ProgressTracker:
         return near[-1] if near[-1] >= 0 else None
 
     def _reanchor(self, near: list[int], now: float, ahead: bool = False) -> None:
-        """Each rank with accesses among *near* is at its last one (the other ranks keep their fronts);
-        with *ahead*, only a rank whose front that is past."""
-        last: dict[int, int] = {}  # rank -> its last access in the run
+        """Each rank with accesses among *near* (a run of reads' accesses, in the order the reads came)
+        is at its furthest one (the other ranks keep their fronts); with *ahead*, at its newest one,
+        and only if that is past its front (a read of the run can fit ahead of where the readers are by
+        chance: the newest is where they are)."""
+        last: dict[int, int] = {}  # rank -> its furthest (newest, with *ahead*) access in the run
         for a in near:
             if a >= 0:
                 r = self.rank_at(a)
-                last[r] = max(last.get(r, a), a)
+                last[r] = a if ahead else max(last.get(r, a), a)
         for r, a in last.items():
             if ahead and a <= self.fronts[r]:
                 continue
