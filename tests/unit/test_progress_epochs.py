@@ -21,8 +21,10 @@ import pytest
 
 from fsd.data.backend import Backend
 from fsd.data.cache import DatasetCache
+from fsd.data.progress import SYNCED, ProgressTracker
 from fsd.data.tuning import RESYNC_MATCHES
 from fsd.plan.access_stream import NodeStream
+from fsd.plan.belady import FileIndex
 from fsd.plan.job_stream import build_node_stream
 from fsd.plan.document import parse_plan
 
@@ -164,8 +166,6 @@ def test_sparse_reads_epochs_ahead_after_a_divergence_are_followed_in_their_own_
     apart (the page cache serves the rest): the rate's width over such a run (the beacon spacing,
     wider than an epoch) fits every epoch. Within 24 reads the tracker follows them in epoch 4, with
     no second divergence, and every read after that is matched to its own access."""
-    from fsd.data.progress import SYNCED, ProgressTracker
-    from fsd.plan.belady import FileIndex
     n, epochs = 1500, 6
     ids = np.concatenate([np.random.default_rng(e).permutation(n) for e in range(epochs)])
     tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=4096,
