@@ -136,7 +136,6 @@ class DatasetCache:
         ranks = np.asarray(stream.ranks)
         beacons = self.kernel.window.BEACON_EVERY if self.kernel.pushing else 0
         tracker = ProgressTracker(index, len(ids), window, beacons, ranks, np.asarray(stream.epoch_bounds))
-        tracker.ids, tracker.held = ids, lambda fid: self.kernel.belief.held(fid) > 0
         with self.guard:
             sizes = self.catalog.estimates()
         placement = compute_placement(ids, 0, sizes, self.residency.ram.capacity, self.residency.ssd.capacity)

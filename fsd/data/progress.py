@@ -16,8 +16,7 @@ Where is the reader?
     * **The open log** (:mod:`fsd.data.open_log`): every Python ``open()``
       is logged; counting a rank's opens places it exactly (:meth:`put`).
     * **Every other read/lookup** that arrives is matched too (page-cache
-      misses, first-epoch lookups), so without a ``push`` every read is a beacon;
-      a miss at the first file its rank lacks past pushed ones is where that rank is.
+      misses, first-epoch lookups), so without a ``push`` every read is a beacon.
     * **Rate extrapolation.** Between those the position is extrapolated with
       an EWMA of the observed entries/s, capped at ``front + beacon_every +
       window``.
@@ -66,12 +65,11 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Callable
 
 import numpy as np
 
 from fsd.data import tuning
-from fsd.data.run_fit import at_edge, fit_run
+from fsd.data.run_fit import fit_run
 from fsd.data.tuning import (CONTINUE_BYTES, CONTINUE_S, DIV_THRESHOLD, DIV_WINDOW, PROBATION, READING_MAX,
                              RESYNC_MATCHES, SKIP_SPAN)
 from fsd.plan.access_stream import rank_values
@@ -149,9 +147,6 @@ class ProgressTracker:
         # a place narrow enough to tell epochs apart needs them (without bounds, or with one epoch: no skip)
         self._shortest_epoch = int(np.diff(self._bounds).min()) if len(self._bounds) > 2 else 0
         self.placed = 0  # fronts put where a rank is known to be (put)
-        # the plan's file ids and the kernel tier's belief (set by the cache), for reads at the pushes' edge
-        self.ids: np.ndarray | None = None
-        self.held: Callable[[int], bool] | None = None
         # while diverged: the latest reads (file, whether an observed rank's front explained it), the
         # newest file none explained, and how many reads in a row were explained
         self._div_reads: deque[tuple[int, bool, float, int | None]] = deque(maxlen=2 * RESYNC_MATCHES)
@@ -248,7 +243,6 @@ class ProgressTracker:
            starts the next);
            not in the front's epoch when half of :meth:`carried` would have taken the rank a window
            past the epoch's end (it finished the epoch unseen: that access came from the page cache);
-           or, in its epoch, at the edge of what the page cache holds ahead of it (:func:`at_edge`);
         1. of a rank not seen yet, in the leading front's epoch or before (ranks start at different
            times, each at its first epoch; never into a later epoch);
         2. an access a read took already, near its front (the same access read again, a second lookup);
@@ -315,9 +309,7 @@ class ProgressTracker:
             elif near and (eq == ef + 1 and left <= carried or eq == ef and (named or 2 * (left + w2) > carried)):
                 best = min(best, (0, q))
             elif can_be_in:
-                edge = eq == ef and self.held is not None and self.ids is not None and at_edge(
-                    self.ids, self.rank_of, self.held, r, at, q, fid, self.window)
-                best = min(best, (0 if edge else 3, q))
+                best = min(best, (3, q))
             if best[0] == 0:
                 break
         return (best[1], best[0]) if best[1] != NEVER else (int(NEVER), -1)
@@ -585,9 +577,22 @@ class ProgressTracker:
         return "rank" if self.by_rank else "inferred" if self.inferred else None
 
     def stats(self) -> dict:
-        """The tracker's part of ``.fsd/status`` (docs/STATUS.md)."""
-        return {"state": self.state, "front": self.front, "trail": self.trail, "rank_fronts": list(self.fronts)[:64],
-                "rate_entries_s": round(self.rate, 1), "matched": self.matched, "mismatched": self.mismatched,
-                "foreign": self.foreign, "reads_by_rank": self.by_rank, "reads_inferred": self.inferred,
-                "attribution": self.attribution(), "divergences": self.divergences, "resyncs": self.resyncs,
-                "skips": self.skips, "fronts_put": self.placed, "trusted": self.followed()}
+        return {
+            "state": self.state,
+            "front": self.front,
+            "trail": self.trail,
+            "rank_fronts": list(self.fronts)[:64],
+            "rate_entries_s": round(self.rate, 1),
+            "matched": self.matched,
+            "mismatched": self.mismatched,
+            "foreign": self.foreign,
+            "reads_by_rank": self.by_rank,
+            "reads_inferred": self.inferred,
+            "attribution": self.attribution(),
+            "divergences": self.divergences,
+            "resyncs": self.resyncs,
+            "skips": self.skips,
+            "fronts_put": self.placed,
+            "trusted": self.followed(),
+        }
+

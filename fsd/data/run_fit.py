@@ -1,16 +1,13 @@
-"""Where reads fit the plan: the searches behind the tracker's resync, skip and edge matches
-(:mod:`fsd.data.progress`).
+"""Where a run of reads fits the plan: the search behind a resync and a skip (:mod:`fsd.data.progress`).
 
-Pure: they read the plan, the tracker's fronts and the page cache's belief, and change nothing.
+Pure: it reads the plan's index and the tracker's fronts and changes nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
-from fsd.data.tuning import EDGE_SCAN, MAX_ANCHORS, RESYNC_MATCHES
+from fsd.data.tuning import MAX_ANCHORS, RESYNC_MATCHES
 from fsd.plan.belady import FileIndex
 
 
@@ -54,21 +51,3 @@ def fit_run(index: FileIndex, rank_of: np.ndarray | None, fronts: list[int], fro
     old = max(front, 0)
     j = int(min(good.tolist(), key=lambda i: (abs(int(anchors[i]) - old), int(anchors[i]))))
     return int(anchors[j]), [int(acc[j]) for acc in near]
-
-
-def at_edge(ids: np.ndarray, rank_of: np.ndarray | None, held: Callable[[int], bool], r: int, at: int, q: int,
-            fid: int, window: int) -> bool:
-    """Whether access *q* (of *fid*) is where rank *r*'s reads reach the daemon next: the page cache is
-    believed to hold (*held*) every file of the rank's accesses from where it has read (*at*) to *q*,
-    but a *window* of them, and not *fid*. A reader goes through pushed files unseen, in bursts faster
-    than its rate, so its next read is at the first file it lacks however far that is; a read of a plan
-    it does not follow lands there only by chance. At most ``EDGE_SCAN`` accesses are looked at."""
-    if not 0 <= at < q or q - at > EDGE_SCAN or held(fid):
-        return False
-    lacking = 0
-    for p in range(at + 1, q):
-        if (rank_of is None or rank_of[p] == r) and not held(int(ids[p])):
-            lacking += 1
-            if lacking > window:
-                return False
-    return True

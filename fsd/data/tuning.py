@@ -19,9 +19,6 @@ SKIP_SPAN = 256
 """Accesses a run of ``RESYNC_MATCHES`` unmatched reads may spread over (beyond two reorder windows) and
 still be one place ahead that the readers reached unseen: wider finds the sparse reads of a partial
 page-cache loss, narrower tells a small plan's epochs apart (a run that fits two places is no skip)."""
-EDGE_SCAN = 512
-"""Most accesses between a rank's position and a read that the tracker checks are all pushed (the read then
-being where the rank's reads reach the daemon next): CPU per such read against pushes that run further ahead."""
 PROBATION = 2 * DIV_WINDOW
 """Matched reads a resync must hold for before the next one is trusted at once."""
 MAX_ANCHORS = 4096
