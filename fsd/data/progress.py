@@ -144,8 +144,10 @@ class ProgressTracker:
         self.skips = 0  # times the readers were found to have read on unseen (:meth:`_skip`)
         # the latest unmatched reads while synced: (file, rank, the count of new reads when it came)
         self._skip_reads: deque[tuple[int, int | None, int]] = deque(maxlen=RESYNC_MATCHES)
-        # a place narrow enough to tell epochs apart needs them (without bounds, or with one epoch: no skip)
-        self._shortest_epoch = int(np.diff(self._bounds).min()) if len(self._bounds) > 2 else 0
+        # the width of a place that names its epoch (under half the shortest); 0: none does, no skip
+        narrow = 2 * self.window + SKIP_SPAN
+        shortest = int(np.diff(self._bounds).min()) if len(self._bounds) > 2 else 0
+        self._narrow = narrow if 2 * narrow < shortest else 0
         self.placed = 0  # fronts put where a rank is known to be (put)
         # while diverged: the latest reads (file, whether an observed rank's front explained it), the
         # newest file none explained, and how many reads in a row were explained
@@ -494,9 +496,9 @@ class ProgressTracker:
         tol = 2 * self.window + int(min(float(self.beacon_every or 0), 2.0 * max(self.rate, 0.0) * span))
         run = [(f, e, r) for f, e, _, r in self._div_reads]
         got = None
-        tight = 2 * self.window + SKIP_SPAN
-        if 2 * tight < self._shortest_epoch:  # one place the run alone names (the loose width can fit any epoch)
-            got = fit_run(self.index, self.rank_of, self.fronts, self.front, run, self._unexplained, tight, unique=True)
+        if self._narrow:  # one place the run alone names (the loose width can fit any epoch)
+            got = fit_run(self.index, self.rank_of, self.fronts, self.front, run, self._unexplained, self._narrow,
+                          unique=True)
         if got is None:
             got = fit_run(self.index, self.rank_of, self.fronts, self.front, run, self._unexplained, tol)
         if got is None:
@@ -531,28 +533,24 @@ class ProgressTracker:
 
     def _skip(self, now: float) -> int | None:
         """A mismatch while synced: if ``RESYNC_MATCHES`` unmatched reads came among the last
-        ``DIV_WINDOW`` new reads (before they can add up to a divergence) and fit one single place
-        ahead of their ranks' fronts (within ``2*window`` + ``SKIP_SPAN``, less than half the
-        shortest epoch: the place must tell the epoch), the readers read on unseen (a page-cache-hot
-        reader that opens without ``isatty()`` sends nothing for whole epochs, and its reads arrive
-        again when pages are lost): their fronts move there, without a divergence. The mismatches
-        stay counted, so a wrong plan still diverges. Returns the newest read's access."""
-        tol = 2 * self.window + SKIP_SPAN
-        if (len(self._skip_reads) < RESYNC_MATCHES or 2 * tol >= self._shortest_epoch
+        ``DIV_WINDOW`` new reads and fit one single place ahead of their ranks' fronts within
+        ``2*window`` + ``SKIP_SPAN`` (less than half an epoch: the place names its epoch), the readers
+        read on unseen (a page-cache-hot reader without ``isatty()`` sends nothing for whole epochs;
+        its reads come again when pages are lost): their fronts move there with no divergence. The
+        mismatches stay counted, so a wrong plan still diverges. Returns the newest read's access."""
+        if (not self._narrow or len(self._skip_reads) < RESYNC_MATCHES
                 or self.by_rank + self.inferred - self._skip_reads[0][2] >= DIV_WINDOW):
             return None
         run = [(f, False, r) for f, r, _ in self._skip_reads]
-        got = fit_run(self.index, self.rank_of, self.fronts, self.front, run, run[-1][0], tol, ahead=True, unique=True)
+        got = fit_run(self.index, self.rank_of, self.fronts, self.front, run, run[-1][0], self._narrow, ahead=True,
+                      unique=True)
         if got is None:
             return None
         anchor, near = got
         self._reanchor(near, now, ahead=True)
         self._skip_reads.clear()
         self.skips += 1
-        self.front = max(self.front, *self.fronts)
-        self.trail = min(f for f in self.fronts if f >= 0)
-        self.t_front = now
-        self._rate_pos, self._rate_t = self.front, now
+        self._restart_at(max(self.front, *self.fronts), now)
         log.info("the readers read on unseen: fronts moved to %s (position %d)", self.fronts[:8], anchor)
         return near[-1] if near[-1] >= 0 else None
 
@@ -564,8 +562,12 @@ class ProgressTracker:
         self._since_sync = 0
         self.resyncs += 1
         self.recent.clear()
-        self.front = max(self.fronts)
-        self.trail = min(f for f in self.fronts if f >= 0)  # a rank not seen yet holds nothing back
+        self._restart_at(max(self.fronts), now)
+
+    def _restart_at(self, front: int, now: float) -> None:
+        """Fronts moved (resync, skip): lead at *front*, trail at the slowest rank seen, rate from here."""
+        self.front = front
+        self.trail = min(f for f in self.fronts if f >= 0)
         self.t_front = now
         self._rate_pos, self._rate_t = self.front, now
 
