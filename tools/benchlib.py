@@ -68,6 +68,16 @@ def sigterm_raises() -> None:
         signal.signal(sig, _raise)
 
 
+def apply_quick(parser: Any, argv: Sequence[str] | None, args: Any, quick: dict[str, Any]) -> None:
+    """``--quick``'s sizes into *args*, for each option of *quick* the command line left out (one given
+    at its default value stays: the parser runs again with None defaults to tell them apart)."""
+    parser.set_defaults(**dict.fromkeys(quick))
+    given = parser.parse_args(argv)
+    for k, v in quick.items():
+        if getattr(given, k) is None:
+            setattr(args, k, v)
+
+
 def drop_caches() -> bool:
     """sync + drop the page cache (root only). Returns whether it was done."""
     if not is_root():
