@@ -37,8 +37,9 @@ Matching
     rank's epoch or before, else the earliest up to ``max_jump`` past the leading front (``max_jump`` =
     prefetched distance + 4*window + beacon_every + min lead). "Near" is the reorder window plus twice
     what the readers' rate carries them since their last matched read, never the beacon spacing (on a
-    small dataset it covers every epoch); a match is never more than one epoch past where its rank
-    reads, and in the next epoch only once the rank can have read its last access of this one. An
+    small dataset it covers every epoch; the verdict alone allows it: :meth:`_next_beacon`); a match
+    is never more than one epoch past where its rank reads, and in the next epoch only once the rank
+    can have read its last access of this one. An
     access a read took is not taken again, and the later READ requests of a read belong to the access
     its first one matched. Files the plan never mentions are *foreign* (another job, ``ls``): served,
     counted, not held against the plan.
@@ -69,6 +70,7 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from fsd.data import tuning
+from fsd.data.epochs import Epochs
 from fsd.data.run_fit import fit_run
 from fsd.data.tuning import (CONTINUE_BYTES, CONTINUE_S, DIV_THRESHOLD, DIV_WINDOW, PROBATION, READING_MAX,
                              RESYNC_MATCHES, SKIP_SPAN)
@@ -111,9 +113,7 @@ class ProgressTracker:
             self.fronts = [-1]
             self._dense = {}
         self._hist: list[deque[int]] = [deque(maxlen=tuning.FRONT_HISTORY) for _ in self.fronts]
-        bounds = np.asarray(epoch_bounds if epoch_bounds is not None and len(epoch_bounds) >= 2 else [0, n])
-        self._bounds = bounds.astype(np.int64)
-        self._last_in: dict[tuple[int, int], int] = {}  # (rank, epoch) -> the rank's last access in it
+        self.epochs = Epochs(epoch_bounds, n, self.rank_of)
         # per rank: where it has read, the second furthest of its last 5 plausible matches (one
         # ambiguous read attributed to another rank's later access must not move it an epoch on)
         self._top = [-1] * len(self.fronts)
@@ -146,8 +146,7 @@ class ProgressTracker:
         self._skip_reads: deque[tuple[int, int | None, int]] = deque(maxlen=RESYNC_MATCHES)
         # the width of a place that names its epoch (under half the shortest); 0: none does, no skip
         narrow = 2 * self.window + SKIP_SPAN
-        shortest = int(np.diff(self._bounds).min()) if len(self._bounds) > 2 else 0
-        self._narrow = narrow if 2 * narrow < shortest else 0
+        self._narrow = narrow if 2 * narrow < self.epochs.shortest else 0
         self.placed = 0  # fronts put where a rank is known to be (put)
         # while diverged: the latest reads (file, whether an observed rank's front explained it), the
         # newest file none explained, and how many reads in a row were explained
@@ -190,30 +189,6 @@ class ProgressTracker:
         a plan may name a rank that never reads."""
         r = self.rank_at(q)
         return min([q, *(f for i, f in enumerate(self.fronts) if i != r and f >= 0)])
-
-    def epoch_of(self, q: int) -> int:
-        """The epoch (index into the plan's epochs, 0 = its first) that access *q* lies in."""
-        return int(np.searchsorted(self._bounds, q, side="right")) - 1
-
-    def _last_of(self, r: int, e: int) -> int:
-        """Rank *r*'s last access in epoch *e* (ranks step in batches, so it is near the epoch's end)."""
-        key = (r, e)
-        got = self._last_in.get(key)
-        if got is None:
-            a, b = int(self._bounds[e]), int(self._bounds[min(e + 1, len(self._bounds) - 1)])
-            got = a - 1
-            step = tuning.LAST_SCAN_STEP
-            hi = b
-            while hi > a:
-                lo = max(a, hi - step)
-                seg = self.rank_of[lo:hi] if self.rank_of is not None else np.zeros(hi - lo, np.int32)
-                at = np.flatnonzero(seg == r)
-                if len(at):
-                    got = lo + int(at[-1])
-                    break
-                hi, step = lo, step * 4
-            self._last_in[key] = got
-        return got
 
     def carried(self, r: int, now: float, max_jump: int) -> int:
         """How far rank *r* can have read, unseen, since its last matched read: twice what the readers'
@@ -274,7 +249,7 @@ class ProgressTracker:
             lo = 0 if min(self.fronts) < 0 else max(0, self.trail - w2)
         k = int(np.searchsorted(p, lo, side="left"))
         limit = max(self.front, 0) + max_jump
-        e_lead = self.epoch_of(max(self.front, 0))
+        e_lead = self.epochs.of(max(self.front, 0))
         named = rank is not None  # see the rules for a named read in the docstring
         best = (9, int(NEVER))
         for q in p[k : k + tuning.MATCH_CANDIDATES].tolist():
@@ -282,14 +257,14 @@ class ProgressTracker:
                 break
             r = self.rank_at(q)
             fr = self.fronts[r]
-            eq = self.epoch_of(q)
+            eq = self.epochs.of(q)
             taken = q in self._taken
             if fr < 0:
                 if unseen and not taken and eq <= e_lead:
                     best = min(best, (1, q))
                 continue
             at = max(self._top[r], fr)  # where the rank has read (its front trails its newest reads)
-            ef = self.epoch_of(at)
+            ef = self.epochs.of(at)
             # passed: before its epoch, or a window behind where it has read (its workers hold at most a
             # window of its accesses at a time), or 2 windows behind its front
             if eq < ef or q < max(fr - w2, self._top[r] - self.window) or eq > ef + 1:
@@ -299,10 +274,10 @@ class ProgressTracker:
             # of its epoch, up to the rank's last access in it (half a window of slack: where it has read
             # trails its newest read, and ranks read the leftover loader's same files, so a read of
             # those may be put at the other rank's access)
-            last = self._last_of(r, ef)
+            last = self.epochs.last_of(r, ef)
             left = last - at - max(1, self.window // 2)
             if (eq == ef and last - at <= self.window // tuning.DONE_SLACK_DIVISOR
-                    and self.epoch_of(max(self._plausible[r], default=-1)) > ef):
+                    and self.epochs.of(max(self._plausible[r], default=-1)) > ef):
                 continue  # it read to its epoch's end and then in the next one: it is done with this one
             can_be_in = eq == ef or left <= carried or named  # the next epoch: once it can have finished this one
             if taken:
@@ -315,6 +290,15 @@ class ProgressTracker:
             if best[0] == 0:
                 break
         return (best[1], best[0]) if best[1] != NEVER else (int(NEVER), -1)
+
+    def _next_beacon(self, q: int, now: float, max_jump: int) -> bool:
+        """Whether access *q* is where its rank's next read reaches the daemon when pushes serve the
+        reads between: at most one beacon spacing plus the reorder window and :meth:`carried` past
+        the rank's newest matched read. Such a read is predicted (the verdict), though it is matched
+        past the trailing front (round 3) and moves nothing more than a round-3 match does."""
+        r = self.rank_at(q)
+        h = self._hist[r]
+        return bool(h) and q <= max(h) + 2 * self.window + self.carried(r, now, max_jump) + (self.beacon_every or 0)
 
     def _continues(self, fid: int, off: int | None, now: float, rank: int | None) -> int | None:
         """The access that a read at *off* (None: a lookup) of *fid* is part of, or None: within
@@ -389,7 +373,7 @@ class ProgressTracker:
         self.recent.append(ok)
         if ok:
             self.matched += 1
-            self.last_predicted = rnd != 3
+            self.last_predicted = rnd != 3 or self._next_beacon(q, now, max_jump)
             self._advance(q, now, plausible=rnd != 3)
             self._took(fid, q, off, size, now, rank)
             return q
@@ -416,7 +400,7 @@ class ProgressTracker:
             log.info("divergence: fronts %s, read to %s, rate %.0f/s, beacons every %d, epoch bounds near %s; "
                      "last unmatched (file, lookup, rank, its accesses from the trail): %s",
                      self.fronts, self._top, self.rate, self.beacon_every or 0,
-                     self._bounds[max(0, self.epoch_of(max(self.front, 0)) - 1):][:4].tolist(), list(self._misses))
+                     self.epochs.near(max(self.front, 0)), list(self._misses))
         return None
 
     def put(self, q: int, now: float) -> None:
