@@ -70,11 +70,10 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from fsd.data import tuning
-from fsd.data.epochs import Epochs
 from fsd.data.run_fit import fit_run
 from fsd.data.tuning import (CONTINUE_BYTES, CONTINUE_S, DIV_THRESHOLD, DIV_WINDOW, PROBATION, READING_MAX,
                              RESYNC_MATCHES, SKIP_SPAN)
-from fsd.plan.access_stream import rank_values
+from fsd.plan.access_stream import last_access, rank_values
 from fsd.plan.belady import NEVER, FileIndex
 
 log = logging.getLogger(__name__)
@@ -113,7 +112,9 @@ class ProgressTracker:
             self.fronts = [-1]
             self._dense = {}
         self._hist: list[deque[int]] = [deque(maxlen=tuning.FRONT_HISTORY) for _ in self.fronts]
-        self.epochs = Epochs(epoch_bounds, n, self.rank_of)
+        bounds = np.asarray(epoch_bounds if epoch_bounds is not None and len(epoch_bounds) >= 2 else [0, n])
+        self._bounds = bounds.astype(np.int64)
+        self._last_in: dict[tuple[int, int], int] = {}  # (rank, epoch) -> the rank's last access in it
         # per rank: where it has read, the second furthest of its last 5 plausible matches (one
         # ambiguous read attributed to another rank's later access must not move it an epoch on)
         self._top = [-1] * len(self.fronts)
@@ -146,7 +147,8 @@ class ProgressTracker:
         self._skip_reads: deque[tuple[int, int | None, int]] = deque(maxlen=RESYNC_MATCHES)
         # the width of a place that names its epoch (under half the shortest); 0: none does, no skip
         narrow = 2 * self.window + SKIP_SPAN
-        self._narrow = narrow if 2 * narrow < self.epochs.shortest else 0
+        shortest = int(np.diff(self._bounds).min()) if len(self._bounds) > 2 else 0
+        self._narrow = narrow if 2 * narrow < shortest else 0
         self.placed = 0  # fronts put where a rank is known to be (put)
         # while diverged: the latest reads (file, whether an observed rank's front explained it), the
         # newest file none explained, and how many reads in a row were explained
@@ -189,6 +191,16 @@ class ProgressTracker:
         a plan may name a rank that never reads."""
         r = self.rank_at(q)
         return min([q, *(f for i, f in enumerate(self.fronts) if i != r and f >= 0)])
+
+    def epoch_of(self, q: int) -> int:
+        """The epoch (index into the plan's epochs, 0 = its first) that access *q* lies in."""
+        return int(np.searchsorted(self._bounds, q, side="right")) - 1
+
+    def _last_of(self, r: int, e: int) -> int:
+        got = self._last_in.get((r, e))
+        if got is None:
+            got = self._last_in[(r, e)] = last_access(self.rank_of, self._bounds, r, e)
+        return got
 
     def carried(self, r: int, now: float, max_jump: int) -> int:
         """How far rank *r* can have read, unseen, since its last matched read: twice what the readers'
@@ -249,7 +261,7 @@ class ProgressTracker:
             lo = 0 if min(self.fronts) < 0 else max(0, self.trail - w2)
         k = int(np.searchsorted(p, lo, side="left"))
         limit = max(self.front, 0) + max_jump
-        e_lead = self.epochs.of(max(self.front, 0))
+        e_lead = self.epoch_of(max(self.front, 0))
         named = rank is not None  # see the rules for a named read in the docstring
         best = (9, int(NEVER))
         for q in p[k : k + tuning.MATCH_CANDIDATES].tolist():
@@ -257,14 +269,14 @@ class ProgressTracker:
                 break
             r = self.rank_at(q)
             fr = self.fronts[r]
-            eq = self.epochs.of(q)
+            eq = self.epoch_of(q)
             taken = q in self._taken
             if fr < 0:
                 if unseen and not taken and eq <= e_lead:
                     best = min(best, (1, q))
                 continue
             at = max(self._top[r], fr)  # where the rank has read (its front trails its newest reads)
-            ef = self.epochs.of(at)
+            ef = self.epoch_of(at)
             # passed: before its epoch, or a window behind where it has read (its workers hold at most a
             # window of its accesses at a time), or 2 windows behind its front
             if eq < ef or q < max(fr - w2, self._top[r] - self.window) or eq > ef + 1:
@@ -274,10 +286,10 @@ class ProgressTracker:
             # of its epoch, up to the rank's last access in it (half a window of slack: where it has read
             # trails its newest read, and ranks read the leftover loader's same files, so a read of
             # those may be put at the other rank's access)
-            last = self.epochs.last_of(r, ef)
+            last = self._last_of(r, ef)
             left = last - at - max(1, self.window // 2)
             if (eq == ef and last - at <= self.window // tuning.DONE_SLACK_DIVISOR
-                    and self.epochs.of(max(self._plausible[r], default=-1)) > ef):
+                    and self.epoch_of(max(self._plausible[r], default=-1)) > ef):
                 continue  # it read to its epoch's end and then in the next one: it is done with this one
             can_be_in = eq == ef or left <= carried or named  # the next epoch: once it can have finished this one
             if taken:
@@ -400,7 +412,7 @@ class ProgressTracker:
             log.info("divergence: fronts %s, read to %s, rate %.0f/s, beacons every %d, epoch bounds near %s; "
                      "last unmatched (file, lookup, rank, its accesses from the trail): %s",
                      self.fronts, self._top, self.rate, self.beacon_every or 0,
-                     self.epochs.near(max(self.front, 0)), list(self._misses))
+                     self._bounds[max(0, self.epoch_of(max(self.front, 0)) - 1):][:4].tolist(), list(self._misses))
         return None
 
     def put(self, q: int, now: float) -> None:

@@ -35,8 +35,6 @@ FRONT_HISTORY = 5
 MATCH_CANDIDATES = 64
 """Accesses of the read's file a match looks at, from where its rank can be: CPU per read against
 files read more than 64 times within the look-ahead."""
-LAST_SCAN_STEP = 256
-"""First stride of the backward scan for a rank's last access in an epoch (grows 4x a step)."""
 DONE_SLACK_DIVISOR = 16
 """A rank within ``window // DONE_SLACK_DIVISOR`` accesses of its epoch's end that has read in the next
 epoch is done with this one."""

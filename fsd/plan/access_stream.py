@@ -112,3 +112,23 @@ def future_counts(stream: NodeStream, from_pos: int = 0, n_files: int | None = N
 
 __all__ = ["BEACON_LEVEL_MAX", "NodeStream", "beacon_levels", "future_counts", "id_dtype",
            "interleave_epoch", "rank_dtype", "rank_values"]
+
+
+LAST_SCAN_STEP = 256
+"""First stride of :func:`last_access`'s backward scan (it grows 4x a step)."""
+
+
+def last_access(rank_of: np.ndarray | None, bounds: np.ndarray, r: int, e: int) -> int:
+    """Rank *r*'s last access in epoch *e* of a stream whose access *q* is rank ``rank_of[q]``'s (None:
+    one rank) and whose epoch *e* starts at ``bounds[e]``; one before the epoch when it has none
+    there. A backward scan in growing strides: the last access is near the epoch's end."""
+    a, b = int(bounds[e]), int(bounds[min(e + 1, len(bounds) - 1)])
+    step, hi = LAST_SCAN_STEP, b
+    while hi > a:
+        lo = max(a, hi - step)
+        seg = rank_of[lo:hi] if rank_of is not None else np.zeros(hi - lo, np.int32)
+        at = np.flatnonzero(seg == r)
+        if len(at):
+            return lo + int(at[-1])
+        hi, step = lo, step * 4
+    return a - 1
