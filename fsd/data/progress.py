@@ -70,7 +70,7 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from fsd.data import tuning
-from fsd.data.run_fit import fit_run
+from fsd.data.run_fit import fit_ordered, fit_run
 from fsd.data.tuning import (CONTINUE_BYTES, CONTINUE_S, DIV_THRESHOLD, DIV_WINDOW, PROBATION, READING_MAX,
                              RESYNC_MATCHES, SKIP_SPAN)
 from fsd.plan.access_stream import last_access, rank_values
@@ -147,8 +147,8 @@ class ProgressTracker:
         self._skip_reads: deque[tuple[int, int | None, int]] = deque(maxlen=RESYNC_MATCHES)
         # the width of a place that names its epoch (under half the shortest); 0: none does, no skip
         narrow = 2 * self.window + SKIP_SPAN
-        shortest = int(np.diff(self._bounds).min()) if len(self._bounds) > 2 else 0
-        self._narrow = narrow if 2 * narrow < shortest else 0
+        self._shortest = int(np.diff(self._bounds).min()) if len(self._bounds) > 2 else 0
+        self._narrow = narrow if 2 * narrow < self._shortest else 0
         self.placed = 0  # fronts put where a rank is known to be (put)
         # while diverged: the latest reads (file, whether an observed rank's front explained it), the
         # newest file none explained, and how many reads in a row were explained
@@ -530,7 +530,8 @@ class ProgressTracker:
     def _skip(self, now: float) -> int | None:
         """A mismatch while synced: if ``RESYNC_MATCHES`` unmatched reads came among the last
         ``DIV_WINDOW`` new reads and fit one single place ahead of their ranks' fronts within
-        ``2*window`` + ``SKIP_SPAN`` (less than half an epoch: the place names its epoch), the readers
+        ``2*window`` + ``SKIP_SPAN`` (less than half an epoch: the place names its epoch), or in the
+        order they came however far apart (:func:`fit_ordered`: sparse reads), the readers
         read on unseen (a page-cache-hot reader without ``isatty()`` sends nothing for whole epochs;
         its reads come again when pages are lost): their fronts move there with no divergence. The
         mismatches stay counted, so a wrong plan still diverges. Returns the newest read's access."""
@@ -538,8 +539,9 @@ class ProgressTracker:
                 or self.by_rank + self.inferred - self._skip_reads[0][2] >= DIV_WINDOW):
             return None
         run = [(f, False, r) for f, r, _ in self._skip_reads]
-        got = fit_run(self.index, self.rank_of, self.fronts, self.front, run, run[-1][0], self._narrow, ahead=True,
-                      unique=True)
+        got = (fit_run(self.index, self.rank_of, self.fronts, self.front, run, run[-1][0], self._narrow,
+                       ahead=True, unique=True)
+               or fit_ordered(self.index, self.rank_of, self._shortest, self.fronts, run, 2 * self.window))
         if got is None:
             return None
         anchor, near = got

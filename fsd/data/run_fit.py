@@ -51,3 +51,42 @@ def fit_run(index: FileIndex, rank_of: np.ndarray | None, fronts: list[int], fro
     old = max(front, 0)
     j = int(min(good.tolist(), key=lambda i: (abs(int(anchors[i]) - old), int(anchors[i]))))
     return int(anchors[j]), [int(acc[j]) for acc in near]
+
+
+def fit_ordered(index: FileIndex, rank_of: np.ndarray | None, span: int, fronts: list[int],
+                reads: list[tuple[int, bool, int | None]], slack: int) -> tuple[int, list[int]] | None:
+    """Where a run of *reads* (as for :func:`fit_run`, oldest first) fits the plan in the order they came,
+    however far apart: ``(anchor, each read's access)``, or None unless exactly one place fits.
+
+    A place is an access of the newest read's file (the anchor) past its rank's front; it fits when,
+    going back from it through the run, each older read has an access past its rank's front and less
+    than *span* (the shortest epoch) before the anchor, no later than *slack* (the reorder window)
+    after the access of the read that came after it. A reader reads an epoch in order, so its sparse
+    reads (a page-cache loss here and there) fall in order, across an epoch's end too; a run of
+    ``RESYNC_MATCHES`` reads of a wrong place falls in order by chance about once in
+    ``RESYNC_MATCHES!`` (40320) places, while the width :func:`fit_run` needs to tell epochs apart
+    cannot hold reads that lie hundreds of accesses apart."""
+    fr = np.asarray(fronts, dtype=np.int64)
+
+    def of(f: int, r: int | None) -> np.ndarray:
+        p = index.positions(f)
+        if r is not None and rank_of is not None:
+            p = p[rank_of[p] == r]
+        return p[p > (fr[rank_of[p]] if rank_of is not None else fr[0])]  # past its rank's front
+
+    found: list[tuple[int, list[int]]] = []
+    for a in of(reads[-1][0], reads[-1][2])[:MAX_ANCHORS].tolist():
+        lo = a - span
+        acc, cur = [a], a
+        for f, _, r in reversed(reads[:-1]):
+            p = of(f, r)
+            k = int(np.searchsorted(p, cur + slack, side="right")) - 1
+            if k < 0 or p[k] <= lo:
+                break
+            cur = int(p[k])
+            acc.append(cur)
+        else:
+            found.append((a, acc[::-1]))
+            if len(found) > 1:
+                return None
+    return found[0] if found else None

@@ -1,10 +1,14 @@
-"""A reader whose files pushes serve reaches the daemon only at beacons: those reads are predicted.
+"""Readers the daemon sees only now and then: their reads are predicted and followed.
 
 A pushed file's reads never reach the daemon; a beacon (pushed without its last page) is read from
 the daemon, once per beacon spacing of the reader's accesses. The tracker then sees one read per
 spacing, past its trailing front (the median of the rank's last matches). The plan verdict counts
 such a read as predicted (a right plan is followed); a wrong plan's reads (another seed) still are
 not.
+
+A reader whose every file the page cache holds sends nothing for whole epochs; when pages are lost
+its reads come again, epochs ahead and hundreds of accesses apart. They fall in the plan's order in
+their epoch, and the tracker moves there (a skip) without a divergence.
 """
 
 from __future__ import annotations
@@ -50,3 +54,39 @@ def test_a_wrong_plans_reads_are_not_predicted() -> None:
     share, divergences = shares(42)
     assert divergences > 0
     assert share < 0.3, share
+
+
+@pytest.mark.parametrize("gap", [(1, 3), (20, 60), (60, 120)])
+def test_sparse_reads_epochs_ahead_are_followed_there(gap: tuple[int, int]) -> None:
+    n, epochs = 2000, 8
+    ids = np.concatenate([np.random.default_rng(e).permutation(n) for e in range(epochs)])
+    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16,
+                         epoch_bounds=np.arange(epochs + 1) * n)
+    rng = np.random.default_rng(7)
+    t = 0.0
+    for q in range(n):  # epoch 0: every read arrives
+        t += 1e-4
+        tr.observe(int(ids[q]), t, 4096, off=0, size=4096)
+    q = 4 * n + int(rng.integers(0, 50))  # epochs 1-3 unseen (the page cache held every file)
+    t += 3 * n * 1e-4
+    while q < 7 * n:  # epochs 4-6: a read now and then, at the readers' rate
+        step = int(rng.integers(*gap))
+        t += 1e-4 * step
+        tr.observe(int(ids[q]), t, 4096, off=0, size=4096)
+        q += step
+    assert tr.divergences == 0
+    assert tr.skips >= 1
+    assert 6 * n <= tr.front < 7 * n
+
+
+def test_a_wrong_plans_sparse_reads_still_diverge() -> None:
+    n, epochs = 2000, 8
+    ids = np.concatenate([np.random.default_rng(e).permutation(n) for e in range(epochs)])
+    job = np.concatenate([np.random.default_rng(100 + e).permutation(n) for e in range(epochs)])
+    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16,
+                         epoch_bounds=np.arange(epochs + 1) * n)
+    t = 0.0
+    for q in range(0, 3 * n, 150):
+        t += 1e-2
+        tr.observe(int(job[q]), t, 4096, off=0, size=4096)
+    assert tr.divergences >= 1
