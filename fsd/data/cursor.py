@@ -114,10 +114,11 @@ class PlanCursor:
         return self.plan is not None and self.tracker is not None and self.tracker.state == SYNCED
 
     # ------------------------------------------------------------------ reads
-    def match(self, fid: int, now: float, off: int | None = None, size: int = 0, rank: int | None = None
-              ) -> int | None:
-        """Match a read (*off*, *size*) or a lookup (*off* None) of *fid* by the job's *rank* (None: the
-        caller named none) against the plan (the tracker may change state); its position, or None
+    def match(self, fid: int, now: float, off: int | None = None, size: int = 0, rank: int | None = None,
+              tail: bool = False) -> int | None:
+        """Match a read (*off*, *size*; *tail*: of a beacon's left-out pages) or a lookup (*off* None) of
+        *fid* by the job's *rank* (None: the caller named none) against the plan (the tracker may change
+        state); its position, or None
         (also for a foreign file, counted). Each new read or
         lookup (not a later part of the same access: an open's lookup and its reads are one) goes to
         ``on_read`` with whether the plan predicted it."""
@@ -133,7 +134,7 @@ class PlanCursor:
         blind = tr.rate * min(max(0.0, now - tr.t_front), self.BLIND_MAX_S) if tr.front >= 0 else 0.0
         jump = (max(self.head - max(tr.front, 0), 0) + 4 * tr.window + (tr.beacon_every or 0) + self.lead.min_lead
                 + int(blind))
-        q = tr.observe(fid, now, jump, off, size, rank)
+        q = tr.observe(fid, now, jump, off, size, rank, tail)
         if q is None and tr.index.count(fid) == 0:
             self.foreign_reads += 1
         if tr.last_new and self.on_read is not None:

@@ -35,8 +35,8 @@ Pushing
     cache keeps what the plan needs soonest rather than what the kernel's LRU keeps (with a new
     permutation each epoch, next to nothing). A held file's key is its next use that its rank
     has not consumed, re-keyed at every access the reader is past: at the release point (the
-    slowest rank's) and, ahead of it, at each rank's own (:mod:`fsd.data.rank_keys`). Until the job reads, the tier keeps to ``PUSH_SHARE`` (the job is
-    still growing); when the room shrinks, the tier drops what it holds for accesses beyond the
+    slowest rank's) and, ahead of it, at each rank's own (:mod:`fsd.data.rank_keys`). Until the job
+    reads, the tier keeps to ``PUSH_SHARE`` (the job is still growing); when the room shrinks, the tier drops what it holds for accesses beyond the
     new push window, furthest first, and defers their pushes. Room between the push window and
     the tier's capacity is what carries hits from one epoch into the next: hence a quarter for
     pushes, not half.
@@ -183,6 +183,12 @@ class KernelTier:
         elif off == 0 and self.belief.held(fid) > 0:
             # an older copy was reclaimed: what was put there before it is gone too (LRU)
             self.belief.lost_with(fid)
+
+    def beacon_tail(self, fid: int, off: int) -> bool:
+        """Whether a read at *off* of *fid* starts where the pages the kernel is believed to hold end,
+        short of the file's end: the pages a beacon push left out."""
+        held = self.belief.held(fid)
+        return 0 < held == off < self.catalog.size(fid)
 
     def served(self, fid: int, gen: int, off: int, n: int) -> None:
         """The kernel caches what a read returns (keep_cache): extend what it is believed to hold."""

@@ -143,6 +143,7 @@ class ProgressTracker:
         self.divergences = 0
         self.resyncs = 0
         self.skips = 0  # times the readers were found to have read on unseen (:meth:`_skip`)
+        self.tails = 0  # unmatched reads of beacons' tails (observe)
         # the latest unmatched reads while synced: (file, rank, the count of new reads when it came)
         self._skip_reads: deque[tuple[int, int | None, int]] = deque(maxlen=RESYNC_MATCHES)
         # the width of a place that names its epoch (under half the shortest); 0: none does, no skip
@@ -338,12 +339,15 @@ class ProgressTracker:
             self._taken = {x for x in self._taken if x >= keep}
 
     def observe(self, fid: int, now: float, max_jump: int, off: int | None = None, size: int = 0,
-                rank: int | None = None) -> int | None:
+                rank: int | None = None, tail: bool = False) -> int | None:
         """Match a read (*off*: its file offset, *size*: its length) or a lookup (*off* None) of *fid*
         by the job's *rank* (None: not named); returns its stream position or None. ``last_new`` says
         whether it was a new read or lookup (not a later part of a read of the file),
-        ``last_predicted`` whether the plan explained it near a front."""
-        q = self._observe(fid, now, max_jump, off, size, self.dense_rank(rank))
+        ``last_predicted`` whether the plan explained it near a front. *tail*: the read is of the
+        pages a beacon push left out; unmatched, it is not held against the plan (``beacon_tails``):
+        the reader passed a file pushed as a beacon for an access it had passed, in a later epoch,
+        and says by it only that it reads that file now, which every pass repeats."""
+        q = self._observe(fid, now, max_jump, off, size, self.dense_rank(rank), tail)
         if q is not None and self.last_new:
             self._since_sync += 1
         return q
@@ -357,7 +361,7 @@ class ProgressTracker:
         return self.state == SYNCED and (not self._shaky or self._since_sync >= PROBATION)
 
     def _observe(self, fid: int, now: float, max_jump: int, off: int | None, size: int,
-                 rank: int | None) -> int | None:
+                 rank: int | None, tail: bool) -> int | None:
         self.last_new, self.last_predicted = True, False
         if self.index.count(fid) == 0:
             self.foreign += 1
@@ -382,6 +386,9 @@ class ProgressTracker:
             return q
         q, rnd = self._match(fid, now, max_jump, rank=rank)
         ok = q != NEVER
+        if not ok and tail:
+            self.tails += 1
+            return None
         self.recent.append(ok)
         if ok:
             self.matched += 1
@@ -578,21 +585,10 @@ class ProgressTracker:
 
     def stats(self) -> dict:
         return {
-            "state": self.state,
-            "front": self.front,
-            "trail": self.trail,
-            "rank_fronts": list(self.fronts)[:64],
-            "rate_entries_s": round(self.rate, 1),
-            "matched": self.matched,
-            "mismatched": self.mismatched,
-            "foreign": self.foreign,
-            "reads_by_rank": self.by_rank,
-            "reads_inferred": self.inferred,
-            "attribution": self.attribution(),
-            "divergences": self.divergences,
-            "resyncs": self.resyncs,
-            "skips": self.skips,
-            "fronts_put": self.placed,
-            "trusted": self.followed(),
+            "state": self.state, "front": self.front, "trail": self.trail, "rank_fronts": list(self.fronts)[:64],
+            "rate_entries_s": round(self.rate, 1), "matched": self.matched, "mismatched": self.mismatched,
+            "foreign": self.foreign, "beacon_tails": self.tails, "reads_by_rank": self.by_rank,
+            "reads_inferred": self.inferred, "attribution": self.attribution(), "divergences": self.divergences,
+            "resyncs": self.resyncs, "skips": self.skips, "fronts_put": self.placed, "trusted": self.followed(),
         }
 

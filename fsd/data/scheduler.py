@@ -87,15 +87,16 @@ class Scheduler:
         self.staging.drop_transient()
 
     def observe(self, fid: int, now: float, off: int | None = None, size: int = 0,
-                rank: int | None = None) -> int | None:
+                rank: int | None = None, tail: bool = False) -> int | None:
         """Match a read/lookup against the plan; its position while the readers follow the plan.
         Diverging backs off (transient data released, no pushes); a resync restarts at the slowest
         rank, passing what the ranks ahead had read. *off* and *size*: of a read (None: a lookup);
-        *rank*: the job's rank that sent it, if its caller named one."""
+        *rank*: the job's rank that sent it, if its caller named one; *tail*: a read of a beacon's
+        left-out pages."""
         cur = self.cursor
         tr = cur.tracker
         was = tr.state if tr is not None else None
-        q = cur.match(fid, now, off, size, rank)
+        q = cur.match(fid, now, off, size, rank, tail)
         if tr is None:
             return None
         if was == SYNCED and tr.state == DIVERGED:
@@ -112,7 +113,7 @@ class Scheduler:
         """A read of *size* bytes of *fid* at *off* by *rank* (None: not named) arrived: its plan
         position (or None), the plan generation, and the fetch of it the reader runs itself if it
         outran the head."""
-        q = self.observe(fid, now, off, size, rank)
+        q = self.observe(fid, now, off, size, rank, off > 0 and self.kernel.beacon_tail(fid, off))
         self.kernel.read_seen(q, fid, off, now)
         cur = self.cursor
         fetch = self.catch_up(q) if q is not None and cur.plan is not None and q >= cur.head else None

@@ -8,7 +8,9 @@ not.
 
 A reader whose every file the page cache holds sends nothing for whole epochs; when pages are lost
 its reads come again, epochs ahead and hundreds of accesses apart. They fall in the plan's order in
-their epoch, and the tracker moves there (a skip) without a divergence.
+their epoch, and the tracker moves there (a skip) without a divergence. The files the daemon
+pushed as beacons (without their last page) for the epoch it last saw the reader in are read again
+in every pass; those reads of a beacon's tail match nothing and are not held against the plan.
 """
 
 from __future__ import annotations
@@ -90,3 +92,25 @@ def test_a_wrong_plans_sparse_reads_still_diverge() -> None:
         t += 1e-2
         tr.observe(int(job[q]), t, 4096, off=0, size=4096)
     assert tr.divergences >= 1
+
+
+@pytest.mark.parametrize("tail", [True, False])
+def test_beacon_tails_read_in_later_passes_are_not_held_against_the_plan(tail: bool) -> None:
+    n, epochs = 2000, 8
+    ids = np.concatenate([np.random.default_rng(e).permutation(n) for e in range(epochs)])
+    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=4096,
+                         epoch_bounds=np.arange(epochs + 1) * n)
+    t = 0.0
+    for q in range(n):  # epoch 0: every read arrives
+        t += 1e-4
+        tr.observe(int(ids[q]), t, 4096, off=0, size=4096)
+    beacons = [int(ids[n + k]) for k in range(400, n, 400)]  # pushed without their last page for epoch 1
+    for e in range(3, epochs):  # the reader, unseen, passes them in every later epoch
+        where = {int(f): i for i, f in enumerate(ids[e * n:(e + 1) * n].tolist())}
+        for f in sorted(beacons, key=where.__getitem__):
+            t += 0.05
+            tr.observe(f, t, 64, off=106496, size=4096, tail=tail)
+    if tail:
+        assert tr.divergences == 0 and tr.tails > 0
+    else:
+        assert tr.divergences >= 1  # the same reads as plain reads: held against the plan
