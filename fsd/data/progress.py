@@ -346,7 +346,8 @@ class ProgressTracker:
         ``last_predicted`` whether the plan explained it near a front. *tail*: the read is of the
         pages a beacon push left out; unmatched, it is not held against the plan (``beacon_tails``):
         the reader passed a file pushed as a beacon for an access it had passed, in a later epoch,
-        and says by it only that it reads that file now, which every pass repeats."""
+        and says by it that it reads that file now, which every pass repeats (in one pass such
+        reads fall in order, and may show a skip)."""
         q = self._observe(fid, now, max_jump, off, size, self.dense_rank(rank), tail)
         if q is not None and self.last_new:
             self._since_sync += 1
@@ -386,23 +387,24 @@ class ProgressTracker:
             return q
         q, rnd = self._match(fid, now, max_jump, rank=rank)
         ok = q != NEVER
-        if not ok and tail:
-            self.tails += 1
-            return None
-        self.recent.append(ok)
+        if ok or not tail:  # an unmatched tail is not held against the plan; it may still show a skip
+            self.recent.append(ok)
         if ok:
             self.matched += 1
             self.last_predicted = rnd != 3 or self._next_beacon(q, now, max_jump)
             self._advance(q, now, plausible=rnd != 3)
             self._took(fid, q, off, size, now, rank)
             return q
-        self.mismatched += 1
+        self.tails += tail
+        self.mismatched += not tail
         self._skip_reads.append((fid, rank, self.by_rank + self.inferred))
         q = self._skip(now)
         if q is not None:
             self.last_predicted = True
             self._took(fid, q, off, size, now, rank)
             return q
+        if tail:
+            return None
         lo = max(0, self.trail - 2 * self.window)
         p = self.index.positions(fid)
         k = int(np.searchsorted(p, lo))

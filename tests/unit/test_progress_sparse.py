@@ -114,3 +114,22 @@ def test_beacon_tails_read_in_later_passes_are_not_held_against_the_plan(tail: b
         assert tr.divergences == 0 and tr.tails > 0
     else:
         assert tr.divergences >= 1  # the same reads as plain reads: held against the plan
+
+
+def test_beacon_tails_of_one_pass_show_where_the_reader_went() -> None:
+    n, epochs = 2000, 8
+    ids = np.concatenate([np.random.default_rng(e).permutation(n) for e in range(epochs)])
+    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16,
+                         epoch_bounds=np.arange(epochs + 1) * n)
+    t = 0.0
+    for q in range(n):  # epoch 0: every read arrives
+        t += 1e-4
+        tr.observe(int(ids[q]), t, 64, off=0, size=4096)
+    beacons = {int(ids[n + k]) for k in range(64, n, 16)}  # pushed without their last page for epoch 1
+    t += 2 * n * 1e-4
+    for q in range(3 * n, 4 * n):  # epoch 3, read on unseen: only the beacons' tails arrive
+        t += 1e-4
+        if int(ids[q]) in beacons:
+            tr.observe(int(ids[q]), t, 64, off=106496, size=4096, tail=True)
+    assert tr.divergences == 0 and tr.tails > 0
+    assert tr.skips >= 1 and 3 * n <= tr.front < 4 * n
