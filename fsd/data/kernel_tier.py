@@ -36,8 +36,9 @@ Pushing
     permutation each epoch, next to nothing). A held file's key is its next use that its rank
     has not consumed, re-keyed at every access the reader is past: at the release point (the
     slowest rank's) and, ahead of it, at each rank's own (:mod:`fsd.data.rank_keys`). Until the job
-    reads, the tier keeps to ``PUSH_SHARE`` (the job is still growing); when the room shrinks, the tier drops what it holds for accesses beyond the
-    new push window, furthest first, and defers their pushes. Room between the push window and
+    reads, the tier keeps to ``PUSH_SHARE`` (the job is still growing); when the room shrinks, the
+    tier drops what it holds for accesses beyond the new push window, furthest first, and defers
+    their pushes. Room between the push window and
     the tier's capacity is what carries hits from one epoch into the next: hence a quarter for
     pushes, not half.
 

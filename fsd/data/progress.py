@@ -198,6 +198,7 @@ class ProgressTracker:
         return int(np.searchsorted(self._bounds, q, side="right")) - 1
 
     def _last_of(self, r: int, e: int) -> int:
+        """Rank *r*'s last access in epoch *e* (found once)."""
         got = self._last_in.get((r, e))
         if got is None:
             got = self._last_in[(r, e)] = last_access(self.rank_of, self._bounds, r, e)
@@ -537,13 +538,14 @@ class ProgressTracker:
             self._plausible[r] = deque([a], maxlen=tuning.FRONT_HISTORY)
 
     def _skip(self, now: float) -> int | None:
-        """A mismatch while synced: if ``RESYNC_MATCHES`` unmatched reads came among the last
-        ``DIV_WINDOW`` new reads and fit one single place ahead of their ranks' fronts within
-        ``2*window`` + ``SKIP_SPAN`` (less than half an epoch: the place names its epoch), or in the
-        order they came however far apart (:func:`fit_ordered`: sparse reads), the readers
-        read on unseen (a page-cache-hot reader without ``isatty()`` sends nothing for whole epochs;
-        its reads come again when pages are lost): their fronts move there with no divergence. The
-        mismatches stay counted, so a wrong plan still diverges. Returns the newest read's access."""
+        """A mismatch (or an unmatched beacon tail) while synced: if ``RESYNC_MATCHES`` unmatched reads
+        came among the last ``DIV_WINDOW`` new reads and fit one single place ahead of their ranks'
+        fronts within ``2*window`` + ``SKIP_SPAN`` (less than half an epoch: the place names its
+        epoch), or in the order they came however far apart (:func:`fit_ordered`: sparse reads), the
+        readers read on unseen (a page-cache-hot reader without ``isatty()`` sends nothing for whole
+        epochs; its reads come again when pages are lost): their fronts move there with no
+        divergence. The mismatches stay counted, so a wrong plan still diverges. Returns the newest
+        read's access."""
         if (not self._narrow or len(self._skip_reads) < RESYNC_MATCHES
                 or self.by_rank + self.inferred - self._skip_reads[0][2] >= DIV_WINDOW):
             return None

@@ -110,10 +110,6 @@ def future_counts(stream: NodeStream, from_pos: int = 0, n_files: int | None = N
     return np.bincount(rest, minlength=n_files).astype(np.int64, copy=False)
 
 
-__all__ = ["BEACON_LEVEL_MAX", "NodeStream", "beacon_levels", "future_counts", "id_dtype",
-           "interleave_epoch", "rank_dtype", "rank_values"]
-
-
 LAST_SCAN_STEP = 256
 """First stride of :func:`last_access`'s backward scan (it grows 4x a step)."""
 
@@ -132,3 +128,7 @@ def last_access(rank_of: np.ndarray | None, bounds: np.ndarray, r: int, e: int) 
             return lo + int(at[-1])
         hi, step = lo, step * 4
     return a - 1
+
+
+__all__ = ["BEACON_LEVEL_MAX", "NodeStream", "beacon_levels", "future_counts", "id_dtype",
+           "interleave_epoch", "last_access", "rank_dtype", "rank_values"]
