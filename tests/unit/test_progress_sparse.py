@@ -58,17 +58,25 @@ def test_a_wrong_plans_reads_are_not_predicted() -> None:
     assert share < 0.3, share
 
 
+def after_epoch_0(spacing: int, jump: int, n: int = 2000, epochs: int = 8
+                  ) -> tuple[np.ndarray, ProgressTracker, float]:
+    """A shuffled plan of *epochs* epochs of *n* files (one reader) whose epoch 0 the tracker saw
+    read by every read, 0.1 ms apart: (the plan's files in stream order, the tracker, the time)."""
+    ids = np.concatenate([np.random.default_rng(e).permutation(n) for e in range(epochs)])
+    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=spacing,
+                         epoch_bounds=np.arange(epochs + 1) * n)
+    t = 0.0
+    for q in range(n):
+        t += 1e-4
+        tr.observe(int(ids[q]), t, jump, off=0, size=4096)
+    return ids, tr, t
+
+
 @pytest.mark.parametrize("gap", [(1, 3), (20, 60), (60, 120)])
 def test_sparse_reads_epochs_ahead_are_followed_there(gap: tuple[int, int]) -> None:
-    n, epochs = 2000, 8
-    ids = np.concatenate([np.random.default_rng(e).permutation(n) for e in range(epochs)])
-    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16,
-                         epoch_bounds=np.arange(epochs + 1) * n)
+    n = 2000
+    ids, tr, t = after_epoch_0(16, 4096, n)
     rng = np.random.default_rng(7)
-    t = 0.0
-    for q in range(n):  # epoch 0: every read arrives
-        t += 1e-4
-        tr.observe(int(ids[q]), t, 4096, off=0, size=4096)
     q = 4 * n + int(rng.integers(0, 50))  # epochs 1-3 unseen (the page cache held every file)
     t += 3 * n * 1e-4
     while q < 7 * n:  # epochs 4-6: a read now and then, at the readers' rate
@@ -97,13 +105,7 @@ def test_a_wrong_plans_sparse_reads_still_diverge() -> None:
 @pytest.mark.parametrize("tail", [True, False])
 def test_beacon_tails_read_in_later_passes_are_not_held_against_the_plan(tail: bool) -> None:
     n, epochs = 2000, 8
-    ids = np.concatenate([np.random.default_rng(e).permutation(n) for e in range(epochs)])
-    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=4096,
-                         epoch_bounds=np.arange(epochs + 1) * n)
-    t = 0.0
-    for q in range(n):  # epoch 0: every read arrives
-        t += 1e-4
-        tr.observe(int(ids[q]), t, 4096, off=0, size=4096)
+    ids, tr, t = after_epoch_0(4096, 4096, n, epochs)
     beacons = [int(ids[n + k]) for k in range(400, n, 400)]  # pushed without their last page for epoch 1
     for e in range(3, epochs):  # the reader, unseen, passes them in every later epoch
         where = {int(f): i for i, f in enumerate(ids[e * n:(e + 1) * n].tolist())}
@@ -117,14 +119,8 @@ def test_beacon_tails_read_in_later_passes_are_not_held_against_the_plan(tail: b
 
 
 def test_beacon_tails_of_one_pass_show_where_the_reader_went() -> None:
-    n, epochs = 2000, 8
-    ids = np.concatenate([np.random.default_rng(e).permutation(n) for e in range(epochs)])
-    tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16,
-                         epoch_bounds=np.arange(epochs + 1) * n)
-    t = 0.0
-    for q in range(n):  # epoch 0: every read arrives
-        t += 1e-4
-        tr.observe(int(ids[q]), t, 64, off=0, size=4096)
+    n = 2000
+    ids, tr, t = after_epoch_0(16, 64, n)
     beacons = {int(ids[n + k]) for k in range(64, n, 16)}  # pushed without their last page for epoch 1
     t += 2 * n * 1e-4
     for q in range(3 * n, 4 * n):  # epoch 3, read on unseen: only the beacons' tails arrive
