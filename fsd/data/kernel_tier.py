@@ -38,9 +38,8 @@ Pushing
     slowest rank's) and, ahead of it, at each rank's own (:mod:`fsd.data.rank_keys`). Until the job
     reads, the tier keeps to ``PUSH_SHARE`` (the job is still growing); when the room shrinks, the
     tier drops what it holds for accesses beyond the new push window, furthest first, and defers
-    their pushes. Room between the push window and
-    the tier's capacity is what carries hits from one epoch into the next: hence a quarter for
-    pushes, not half.
+    their pushes. Room between the push window and the tier's capacity is what carries hits from
+    one epoch into the next: hence a quarter for pushes, not half.
 
 Deadlocks
     ``notify_store`` locks the page-cache pages it fills; a kernel readahead holds those locks

@@ -11,6 +11,17 @@ from fsd.data.tuning import MAX_ANCHORS, RESYNC_MATCHES
 from fsd.plan.belady import FileIndex
 
 
+def _accesses(index: FileIndex, rank_of: np.ndarray | None, f: int, r: int | None) -> np.ndarray:
+    """The accesses of file *f*; only rank *r*'s when the read named it (*rank_of*: each access's dense rank)."""
+    p = index.positions(f)
+    return p[rank_of[p] == r] if r is not None and rank_of is not None else p
+
+
+def _past_fronts(p: np.ndarray, fronts: np.ndarray, rank_of: np.ndarray | None) -> np.ndarray:
+    """Of accesses *p*, those past their rank's front."""
+    return p[p > (fronts[rank_of[p]] if rank_of is not None else fronts[0])]
+
+
 def fit_run(index: FileIndex, rank_of: np.ndarray | None, fronts: list[int], front: int,
             reads: list[tuple[int, bool, int | None]], newest: int, tol: int, *,
             ahead: bool = False, unique: bool = False) -> tuple[int, list[int]] | None:
@@ -25,20 +36,17 @@ def fit_run(index: FileIndex, rank_of: np.ndarray | None, fronts: list[int], fro
     fits is taken (a place that must not be a guess between epochs)."""
     anchors = index.positions(newest)[:MAX_ANCHORS]  # its accesses by any rank
     if ahead:
-        fr = np.asarray(fronts, dtype=np.int64)
-        anchors = anchors[anchors > (fr[rank_of[anchors]] if rank_of is not None else fr[0])]
+        anchors = _past_fronts(anchors, np.asarray(fronts, dtype=np.int64), rank_of)
         if not len(anchors):
             return None
     near: list[np.ndarray] = []  # per read: its access near each anchor, or -1
     fits = np.zeros(len(anchors), dtype=np.int64)
     alone = np.zeros(len(anchors), dtype=np.int64)  # of the fits, reads no front explained
     for f, explained, r in reads:
-        p = index.positions(f)
-        if r is not None and rank_of is not None:
-            p = p[rank_of[p] == r]
-            if not len(p):
-                near.append(np.full(len(anchors), -1, dtype=np.int64))
-                continue
+        p = _accesses(index, rank_of, f, r)
+        if not len(p):
+            near.append(np.full(len(anchors), -1, dtype=np.int64))
+            continue
         k = np.minimum(np.searchsorted(p, anchors - tol, side="left"), len(p) - 1)
         ok = np.abs(p[k] - anchors) <= tol
         near.append(np.where(ok, p[k], -1))
@@ -69,10 +77,7 @@ def fit_ordered(index: FileIndex, rank_of: np.ndarray | None, span: int, fronts:
     fr = np.asarray(fronts, dtype=np.int64)
 
     def of(f: int, r: int | None) -> np.ndarray:
-        p = index.positions(f)
-        if r is not None and rank_of is not None:
-            p = p[rank_of[p] == r]
-        return p[p > (fr[rank_of[p]] if rank_of is not None else fr[0])]  # past its rank's front
+        return _past_fronts(_accesses(index, rank_of, f, r), fr, rank_of)
 
     found: list[tuple[int, list[int]]] = []
     for a in of(reads[-1][0], reads[-1][2])[:MAX_ANCHORS].tolist():

@@ -24,8 +24,9 @@ from fsd.plan.belady import FileIndex
 N, EPOCHS, SPACING = 1500, 3, 16
 
 
-def stream(seed: int) -> np.ndarray:
-    return np.concatenate([np.random.default_rng(seed + e).permutation(N) for e in range(EPOCHS)])
+def stream(seed: int, n: int = N, epochs: int = EPOCHS) -> np.ndarray:
+    """A shuffled plan's files in stream order: epoch *e* is the permutation of seed *seed* + *e*."""
+    return np.concatenate([np.random.default_rng(seed + e).permutation(n) for e in range(epochs)])
 
 
 def shares(plan_seed: int, spacing: int = SPACING, warm: int = 200) -> tuple[float, int]:
@@ -62,7 +63,7 @@ def after_epoch_0(spacing: int, jump: int, n: int = 2000, epochs: int = 8
                   ) -> tuple[np.ndarray, ProgressTracker, float]:
     """A shuffled plan of *epochs* epochs of *n* files (one reader) whose epoch 0 the tracker saw
     read by every read, 0.1 ms apart: (the plan's files in stream order, the tracker, the time)."""
-    ids = np.concatenate([np.random.default_rng(e).permutation(n) for e in range(epochs)])
+    ids = stream(0, n, epochs)
     tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=spacing,
                          epoch_bounds=np.arange(epochs + 1) * n)
     t = 0.0
@@ -91,8 +92,7 @@ def test_sparse_reads_epochs_ahead_are_followed_there(gap: tuple[int, int]) -> N
 
 def test_a_wrong_plans_sparse_reads_still_diverge() -> None:
     n, epochs = 2000, 8
-    ids = np.concatenate([np.random.default_rng(e).permutation(n) for e in range(epochs)])
-    job = np.concatenate([np.random.default_rng(100 + e).permutation(n) for e in range(epochs)])
+    ids, job = stream(0, n, epochs), stream(100, n, epochs)
     tr = ProgressTracker(FileIndex(ids), len(ids), window=2, beacon_every=16,
                          epoch_bounds=np.arange(epochs + 1) * n)
     t = 0.0
